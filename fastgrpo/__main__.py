@@ -1,0 +1,5 @@
+import sys
+
+from fastgrpo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+from fastgrpo.compiler.backend import fastgrpo_backend
+from fastgrpo.compiler.options import Options
+from fastgrpo.compiler.report import clear_fusion_reports, format_reports, fusion_reports
+
+__all__ = ["fastgrpo_backend", "Options", "fusion_reports", "clear_fusion_reports", "format_reports"]

@@ -1,0 +1,49 @@
+"""The `fastgrpo` torch.compile backend.
+
+Dynamo hands over a forward-only, pre-autograd torch-level graph. The passes rewrite the
+patterns they know into `fastgrpo::` custom ops (each with its own recomputing backward),
+the report records what matched, and the rewritten graph goes on to the inner compiler:
+inductor by default, so everything we do not match is compiled as usual.
+"""
+import torch
+from torch import fx
+
+from fastgrpo.compiler.options import Options
+from fastgrpo.compiler.report import format_reports, new_report
+from fastgrpo.passes import PASSES
+from fastgrpo.passes._fx import all_graph_modules
+
+
+def _kernels_used(example_inputs) -> str:
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if "cuda" in devices:
+        return "triton (cuda)"
+    return "torch (cpu: no CUDA tensors in this graph)"
+
+
+def _inner_compiler(options: Options, mode: str | None):
+    if options.inner == "eager":
+        return lambda gm, example_inputs: gm.forward
+    if options.inner == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    config = dict(list_mode_options(mode)) if mode else {}
+    config.update(options.inductor_config)
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=config)
+
+
+def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """Registered as `torch.compile(..., backend="fastgrpo")` through the `torch_dynamo_backends` entry point."""
+    opts = Options.parse(options)
+    report = new_report(_kernels_used(example_inputs), opts.inner)
+    for name in opts.patterns:
+        record = report.record(name)
+        for sub in all_graph_modules(gm):
+            PASSES[name].apply(sub, record, opts)
+    if opts.print_report:
+        print(format_reports([report.as_dict()]))
+    return _inner_compiler(opts, mode)(gm, example_inputs)

@@ -1,0 +1,64 @@
+"""The fusion report: per compiled graph and pattern, what matched where and what did not, and why."""
+from dataclasses import dataclass, field
+
+from fastgrpo.passes import PatternRecord
+
+
+@dataclass
+class FusionReport:
+    graph: int
+    kernels: str
+    inner: str
+    patterns: dict[str, PatternRecord] = field(default_factory=dict)
+
+    def record(self, pattern: str) -> PatternRecord:
+        return self.patterns.setdefault(pattern, PatternRecord(pattern))
+
+    def as_dict(self) -> dict:
+        return {
+            "graph": self.graph,
+            "kernels": self.kernels,
+            "inner": self.inner,
+            "patterns": {name: rec.as_dict() for name, rec in self.patterns.items()},
+        }
+
+
+_REPORTS: list[FusionReport] = []
+
+
+def new_report(kernels: str, inner: str) -> FusionReport:
+    report = FusionReport(graph=len(_REPORTS), kernels=kernels, inner=inner)
+    _REPORTS.append(report)
+    return report
+
+
+def fusion_reports() -> list[dict]:
+    """The reports of every graph the fastgrpo backend compiled in this process, as plain dicts:
+    {"graph", "kernels", "inner", "patterns": {name: {"matched", "sites", "near_misses"}}}."""
+    return [r.as_dict() for r in _REPORTS]
+
+
+def clear_fusion_reports() -> None:
+    _REPORTS.clear()
+
+
+def format_reports(reports: list[dict]) -> str:
+    """A readable table: one row per graph and pattern, then every near miss with its reason."""
+    lines = [f"{'graph':>5}  {'pattern':<18} {'matched':>7} {'missed':>6}  forms"]
+    misses = []
+    for report in reports:
+        for name, rec in report["patterns"].items():
+            forms: dict[str, int] = {}
+            for site in rec["sites"]:
+                forms[site["form"]] = forms.get(site["form"], 0) + 1
+            form_text = "; ".join(f"{n}x {f}" for f, n in forms.items()) or "-"
+            lines.append(
+                f"{report['graph']:>5}  {name:<18} {rec['matched']:>7} {len(rec['near_misses']):>6}  {form_text}"
+            )
+            misses += [(report["graph"], name, m) for m in rec["near_misses"]]
+    kernels = sorted({r["kernels"] for r in reports})
+    lines.append(f"kernels: {', '.join(kernels) or '-'}")
+    if misses:
+        lines.append("not accelerated:")
+        lines += [f"  graph {g} {name} at {m['site']}: {m['reason']}" for g, name, m in misses]
+    return "\n".join(lines)

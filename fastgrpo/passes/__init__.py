@@ -1,0 +1,13 @@
+"""Pattern passes over Dynamo's FX graph, one file each, applied in this order.
+
+Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
+sites into calls of `fastgrpo::` custom ops and records matches and near misses.
+"""
+from fastgrpo.passes import rms_norm
+from fastgrpo.passes._record import PatternRecord
+
+PASSES = {
+    rms_norm.NAME: rms_norm,
+}
+
+__all__ = ["PASSES", "PatternRecord"]

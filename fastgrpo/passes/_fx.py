@@ -1,0 +1,179 @@
+"""One vocabulary for the many spellings of an op in a Dynamo FX graph.
+
+Dynamo hands the backend torch-level graphs in which the same operation shows up as a
+`call_method` ("mul"), an `operator` function (`operator.mul`), a `torch` function
+(`torch.mul`), a `torch.Tensor` method object or an aten overload. The passes match on
+`kind(node)` instead, and read arguments with `arg(...)`, so a pattern is written once.
+Patterns never key on module names: the point is to work on models nobody wrote a patch for.
+"""
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+aten = torch.ops.aten
+
+# kind -> every spelling Dynamo (or a pre-lowered graph) may use for it.
+_SPELLINGS: dict[str, tuple[Any, ...]] = {
+    "add": (operator.add, operator.iadd, torch.add, torch.Tensor.add, aten.add.Tensor),
+    "sub": (operator.sub, torch.sub, torch.Tensor.sub, aten.sub.Tensor),
+    "mul": (operator.mul, operator.imul, torch.mul, torch.Tensor.mul, aten.mul.Tensor),
+    "div": (operator.truediv, torch.div, torch.true_divide, torch.Tensor.div, aten.div.Tensor),
+    "neg": (operator.neg, torch.neg, torch.Tensor.neg, aten.neg.default),
+    "pow": (operator.pow, torch.pow, torch.Tensor.pow, aten.pow.Tensor_Scalar),
+    "square": (torch.square, torch.Tensor.square),
+    "rsqrt": (torch.rsqrt, torch.Tensor.rsqrt, aten.rsqrt.default),
+    "sqrt": (torch.sqrt, torch.Tensor.sqrt, aten.sqrt.default),
+    "reciprocal": (torch.reciprocal, torch.Tensor.reciprocal, aten.reciprocal.default),
+    "mean": (torch.mean, torch.Tensor.mean, aten.mean.dim),
+    "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh, aten.tanh.default),
+    "linear": (torch._C._nn.linear, F.linear, aten.linear.default),
+    "silu": (F.silu, aten.silu.default),
+    "gelu": (F.gelu, aten.gelu.default),
+    "log_softmax": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, aten._log_softmax.default),
+    "logsumexp": (torch.logsumexp, torch.Tensor.logsumexp, aten.logsumexp.default),
+    "gather": (torch.gather, torch.Tensor.gather, aten.gather.default),
+    "cross_entropy": (F.cross_entropy,),
+    "rms_norm": (F.rms_norm, torch.rms_norm, aten.rms_norm.default),
+    "cat": (torch.cat, torch.concat, aten.cat.default),
+    "getitem": (operator.getitem,),
+    "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default),
+    "chunk": (torch.chunk, torch.Tensor.chunk),
+    "dropout": (F.dropout, torch.dropout),
+    "cast": (torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16),
+}
+# `call_method` names -> kind (casts all map to "cast": the dtype is read off the node's value).
+_METHODS = {name: name for name in _SPELLINGS} | {
+    "to": "cast", "float": "cast", "type_as": "cast", "half": "cast", "bfloat16": "cast", "type": "cast",
+    "__mul__": "mul", "__add__": "add", "__radd__": "add", "__rmul__": "mul", "__truediv__": "div",
+}
+_FUNCTIONS = {fn: kind for kind, fns in _SPELLINGS.items() for fn in fns}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def kind(node: Any) -> str | None:
+    """The canonical op name of `node`, or None for placeholders, outputs, constants and unknown ops."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    return None
+
+
+def is_kind(node: Any, *kinds: str) -> bool:
+    return kind(node) in kinds
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument `index` (method spelling: self is index 0) or keyword `name` of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def value(node: Any) -> Any:
+    """The example value Dynamo recorded for a node (a FakeTensor, SymInt, ...), or None."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    v = value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def shape(node: Any) -> tuple | None:
+    v = value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor(node: Any) -> bool:
+    return isinstance(value(node), torch.Tensor)
+
+
+def is_scalar(x: Any, expected: float | None = None) -> bool:
+    """A Python number (or a symbolic float read from the graph), optionally equal to `expected`."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return expected is None or float(x) == expected
+    if isinstance(x, fx.Node) and not is_tensor(x) and expected is None:
+        return isinstance(value(x), (torch.SymFloat, torch.SymInt, float, int))
+    return False
+
+
+def is_widening_or_same(src: torch.dtype | None, dst: torch.dtype | None) -> bool:
+    if src is None or dst is None or src not in _FLOAT_DTYPES or dst not in _FLOAT_DTYPES:
+        return False
+    return src == dst or torch.promote_types(src, dst) == dst
+
+
+def strip_widening_casts(node: Any) -> Any:
+    """Walk back through casts that lose nothing (same dtype or wider). A narrowing cast
+    (PEFT's `.to(bf16)` after an fp32 LoRA path) changes values and is kept."""
+    while is_kind(node, "cast") and is_widening_or_same(dtype(node.args[0]), dtype(node)):
+        node = node.args[0]
+    return node
+
+
+def binary_operands(node: fx.Node) -> tuple[Any, Any]:
+    return arg(node, 0, "input"), arg(node, 1, "other")
+
+
+def other_operand(node: fx.Node, known: Any) -> Any:
+    """For a commutative binary node with `known` as one operand, the other operand."""
+    a, b = binary_operands(node)
+    if a is known:
+        return b
+    if b is known:
+        return a
+    raise ValueError(f"{known} is not an operand of {node}")
+
+
+def only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def normalized_dim(dim: Any, rank: int) -> Any:
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if isinstance(dim, int) and dim < 0:
+        dim += rank
+    return dim
+
+
+def site_name(node: fx.Node) -> str:
+    """Where a node comes from, for the report: the innermost module path Dynamo recorded
+    (informational only, never used for matching), else the node name."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        for prefix in ("L['self'].", "L['self']"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        return path or node.name
+    return node.name
+
+
+def all_graph_modules(gm: fx.GraphModule):
+    """`gm` and every GraphModule nested under it (higher-order-op bodies such as the
+    `wrap_body_N` regions Dynamo creates under activation checkpointing)."""
+    yield gm
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            yield from all_graph_modules(child)
+
+
+def propagate_meta(new: fx.Node, like: fx.Node) -> None:
+    for key in ("example_value", "val", "nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]

@@ -1,0 +1,228 @@
+"""The RMSNorm pass: every norm of every architecture matched, and compiled == eager."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastgrpo
+from tests.tiny_models import ARCHS, VOCAB, count_modules, grads, tiny_model
+
+
+def _run(model, ids):
+    logits = model(input_ids=ids).logits
+    logits.float().square().mean().backward()
+    return logits.detach()
+
+
+def _rms_records():
+    return [r["patterns"]["rms_norm"] for r in fastgrpo.fusion_reports()]
+
+
+def _compile_and_compare(model, inner="eager", ids=None, **compile_kwargs):
+    ids = torch.randint(3, VOCAB, (2, 12)) if ids is None else ids
+    expected = _run(model, ids)
+    expected_grads = grads(model)
+    model.zero_grad()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fastgrpo", options={"inner": inner}, **compile_kwargs)
+    actual = _run(compiled, ids)
+    return expected, actual, expected_grads, grads(model)
+
+
+def _assert_grads_close(expected, actual, rel):
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        scale = expected[name].float().abs().max().clamp_min(1e-12)
+        err = (actual[name].float() - expected[name].float()).abs().max() / scale
+        assert err <= rel, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_norm_matched_and_equal_to_eager_fp32(arch, lora):
+    model = tiny_model(arch, lora=lora)
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model)
+    records = _rms_records()
+    assert sum(r["matched"] for r in records) == count_modules(model, "RMSNorm")
+    assert all(not r["near_misses"] for r in records)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "olmo2"])
+def test_bf16_outputs_equal_eager(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model)
+    assert sum(r["matched"] for r in _rms_records()) == count_modules(model, "RMSNorm")
+    # The op reproduces every rounding point of the eager code, so the forward is exact.
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    # Eager bf16 backward rounds at every intermediate; the op differentiates in fp32.
+    _assert_grads_close(expected_grads, actual_grads, rel=3e-2)
+
+
+def test_residual_add_is_fused_into_the_norm():
+    model = tiny_model("llama")
+    _compile_and_compare(model)
+    forms = [site["form"] for r in _rms_records() for site in r["sites"]]
+    # Per layer: the post-attention norm and the next layer's input norm (or the final norm) are fed by a residual add.
+    assert sum(f.startswith("add_rms_norm") for f in forms) == 4
+    assert sum(f.startswith("rms_norm") for f in forms) == 1
+
+
+def test_inductor_training_equal_to_eager():
+    model = tiny_model("qwen3", lora=True)
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model, inner="inductor")
+    assert sum(r["matched"] for r in _rms_records()) == count_modules(model, "RMSNorm")
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    _assert_grads_close(expected_grads, actual_grads, rel=1e-3)
+
+
+def test_gradient_checkpointing_regions_are_rewritten():
+    model = tiny_model("llama", lora=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model)
+    assert sum(r["matched"] for r in _rms_records()) == count_modules(model, "RMSNorm")
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, spelling, hidden=48, eps=1e-5):
+        super().__init__()
+        self.spelling, self.eps = spelling, eps
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        s, eps, w = self.spelling, self.eps, self.weight
+        xf = x.float()
+        if s == "square":
+            y = xf * torch.rsqrt(torch.square(xf).mean(-1, keepdim=True) + eps)
+        elif s == "x*x":
+            y = xf * torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
+        elif s == "one_over_sqrt":
+            y = xf * (1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+        elif s == "div_sqrt":
+            y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        elif s == "pow_half":
+            y = xf * (xf.pow(2).mean(-1, keepdim=True) + eps).pow(-0.5)
+        elif s == "no_weight":
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        elif s == "functional":
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        elif s == "not_last_dim":
+            y = xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps)
+        return w * y.to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["square", "x*x", "one_over_sqrt", "div_sqrt", "pow_half", "no_weight", "functional"]
+)
+def test_spellings_match(spelling):
+    norm = _Norm(spelling)
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    expected = norm(x)
+    expected.sum().backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(norm, backend="fastgrpo", options={"inner": "eager"})(x)
+    actual.sum().backward()
+    assert _rms_records()[0]["matched"] == 1, fastgrpo.format_reports(fastgrpo.fusion_reports())
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_reduction_over_another_dim_is_a_reported_near_miss():
+    norm = _Norm("not_last_dim")
+    x = torch.randn(3, 5, 48)
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(norm, backend="fastgrpo", options={"inner": "eager"})(x)
+    record = _rms_records()[0]
+    assert record["matched"] == 0
+    assert record["near_misses"] and "not the last dim" in record["near_misses"][0]["reason"]
+    torch.testing.assert_close(actual, norm(x))
+
+
+def test_dynamic_shapes_keep_matching():
+    model = tiny_model("llama")
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fastgrpo", options={"inner": "eager"}, dynamic=True)
+    for length in (7, 11):
+        ids = torch.randint(3, VOCAB, (2, length))
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert all(r["matched"] == count_modules(model, "RMSNorm") for r in _rms_records())
+
+
+def _saved_bytes(fn):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_rms_norm_sites_save_less_for_backward():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = _Norm("x*x", hidden=256)
+
+        def forward(self, x, residual):
+            return self.norm(x + residual)
+
+    block = Block()
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    residual = torch.randn(4, 64, 256, requires_grad=True)
+    torch._dynamo.reset()
+    baseline = torch.compile(block, backend="fastgrpo", options={"inner": "aot_eager", "patterns": []})
+    baseline_bytes = _saved_bytes(lambda: baseline(x, residual))
+    torch._dynamo.reset()
+    ours = torch.compile(block, backend="fastgrpo", options={"inner": "aot_eager"})
+    our_bytes = _saved_bytes(lambda: ours(x, residual))
+    # Ours: at most the sum (fp32 [rows, H]), the weight and one fp32 rstd per row.
+    rows = 4 * 64
+    assert rows * 256 * 4 <= our_bytes <= rows * 256 * 4 + 256 * 4 + rows * 4
+    assert our_bytes < baseline_bytes
+    print(f"saved for backward: {our_bytes} bytes vs {baseline_bytes} without the pass")
+
+
+def test_unknown_option_names_the_valid_ones():
+    model = _Norm("x*x")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fastgrpo", options={"innr": "eager"})
+    with pytest.raises(Exception, match="valid options are"):
+        compiled(torch.randn(2, 48))
+
+
+def test_backend_found_by_entry_point_without_importing_fastgrpo():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        norm_in = torch.randn(4, 32)
+        w = torch.randn(32)
+        def f(x):
+            xf = x.float()
+            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        assert "fastgrpo" not in sys.modules
+        out = torch.compile(f, backend="fastgrpo", options={"inner": "eager"})(norm_in)
+        torch.testing.assert_close(out, f(norm_in))
+        import fastgrpo
+        print("matched", fastgrpo.fusion_reports()[0]["patterns"]["rms_norm"]["matched"])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "matched 1" in result.stdout
