@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastgrpo
-from tests.tiny_models import ARCHS, VOCAB, count_modules, grads, tiny_model
+from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, count_modules, grads, tiny_model
 
 
 def _run(model, ids):
@@ -33,14 +33,6 @@ def _compile_and_compare(model, inner="eager", ids=None, **compile_kwargs):
     return expected, actual, expected_grads, grads(model)
 
 
-def _assert_grads_close(expected, actual, rel):
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        scale = expected[name].float().abs().max().clamp_min(1e-12)
-        err = (actual[name].float() - expected[name].float()).abs().max() / scale
-        assert err <= rel, f"{name}: relative error {err:.2e}"
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_norm_matched_and_equal_to_eager_fp32(arch, lora):
@@ -50,7 +42,7 @@ def test_every_norm_matched_and_equal_to_eager_fp32(arch, lora):
     assert sum(r["matched"] for r in records) == count_modules(model, "RMSNorm")
     assert all(not r["near_misses"] for r in records)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    _assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "olmo2"])
@@ -61,7 +53,7 @@ def test_bf16_outputs_equal_eager(arch):
     # The op reproduces every rounding point of the eager code, so the forward is exact.
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     # Eager bf16 backward rounds at every intermediate; the op differentiates in fp32.
-    _assert_grads_close(expected_grads, actual_grads, rel=3e-2)
+    assert_grads_close(expected_grads, actual_grads, rel=3e-2)
 
 
 def test_residual_add_is_fused_into_the_norm():
@@ -78,7 +70,7 @@ def test_inductor_training_equal_to_eager():
     expected, actual, expected_grads, actual_grads = _compile_and_compare(model, inner="inductor")
     assert sum(r["matched"] for r in _rms_records()) == count_modules(model, "RMSNorm")
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
-    _assert_grads_close(expected_grads, actual_grads, rel=1e-3)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-3)
 
 
 def test_gradient_checkpointing_regions_are_rewritten():
@@ -88,7 +80,7 @@ def test_gradient_checkpointing_regions_are_rewritten():
     expected, actual, expected_grads, actual_grads = _compile_and_compare(model)
     assert sum(r["matched"] for r in _rms_records()) == count_modules(model, "RMSNorm")
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    _assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
 
 
 class _Norm(torch.nn.Module):

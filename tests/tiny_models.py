@@ -13,4 +13,13 @@ def grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads"]
+def assert_grads_close(expected: dict, actual: dict, rel: float) -> None:
+    """Every gradient within `rel` of the largest magnitude of its eager counterpart."""
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        scale = expected[name].float().abs().max().clamp_min(1e-12)
+        err = (actual[name].float() - expected[name].float()).abs().max() / scale
+        assert err <= rel, f"{name}: relative error {err:.2e}"
+
+
+__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close"]

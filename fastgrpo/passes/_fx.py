@@ -40,13 +40,15 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "cat": (torch.cat, torch.concat, aten.cat.default),
     "getitem": (operator.getitem,),
     "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default),
+    "squeeze": (torch.squeeze, torch.Tensor.squeeze, aten.squeeze.dim),
+    "view": (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, aten.view.default, aten.reshape.default),
     "chunk": (torch.chunk, torch.Tensor.chunk),
     "dropout": (F.dropout, torch.dropout),
     "cast": (torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16),
 }
 # `call_method` names -> kind (casts all map to "cast": the dtype is read off the node's value).
 _METHODS = {name: name for name in _SPELLINGS} | {
-    "to": "cast", "float": "cast", "type_as": "cast", "half": "cast", "bfloat16": "cast", "type": "cast",
+    "reshape": "view", "to": "cast", "float": "cast", "type_as": "cast", "half": "cast", "bfloat16": "cast", "type": "cast",
     "__mul__": "mul", "__add__": "add", "__radd__": "add", "__rmul__": "mul", "__truediv__": "div",
 }
 _FUNCTIONS = {fn: kind for kind, fns in _SPELLINGS.items() for fn in fns}
