@@ -31,7 +31,7 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh, aten.tanh.default),
     "linear": (torch._C._nn.linear, F.linear, aten.linear.default),
     "silu": (F.silu, aten.silu.default),
-    "gelu": (F.gelu, aten.gelu.default),
+    "gelu": (F.gelu, torch._C._nn.gelu, aten.gelu.default),
     "log_softmax": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, aten._log_softmax.default),
     "logsumexp": (torch.logsumexp, torch.Tensor.logsumexp, aten.logsumexp.default),
     "gather": (torch.gather, torch.Tensor.gather, aten.gather.default),
@@ -43,6 +43,8 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "squeeze": (torch.squeeze, torch.Tensor.squeeze, aten.squeeze.dim),
     "view": (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, aten.view.default, aten.reshape.default),
     "chunk": (torch.chunk, torch.Tensor.chunk),
+    "stack": (torch.stack, aten.stack.default),
+    "flatten": (torch.flatten, torch.Tensor.flatten),
     "dropout": (F.dropout, torch.dropout),
     "cast": (torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16),
 }

@@ -1,0 +1,181 @@
+"""The gated MLP - `act(gate(x)) * up(x)`, SwiGLU or GeGLU - becomes `fastgrpo::gated_mlp`,
+which keeps only x for backward and recomputes the two [tokens x intermediate]
+projections, the activation and their product (DESIGN.md §3: the memory inductor will
+not recompute).
+
+Anchor: `act(g) * u` (either order) with act = SiLU or tanh-GELU. The projections g and u
+are absorbed when each is a bias-free linear of the same x - plain, a PEFT LoRA linear
+(`base(x) + B(A(x.to(A.dtype))) * scale`, cast back), or a half of a fused `gate_up`
+projection taken with `chunk(2, -1)` (Phi3). Anything else (bnb 4-bit, biases, LoRA
+dropout, DoRA, unknown producers) falls back to `fastgrpo::act_mul`, which saves g and u
+and recomputes only the activation; the report says which form each site got and why.
+"""
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
+from fastgrpo.passes._fx import (
+    arg, binary_operands, dtype, is_kind, is_scalar, propagate_meta, shape, site_name, strip_widening_casts,
+)
+from fastgrpo.passes._record import PatternRecord
+
+NAME = "gated_mlp"
+
+
+class Unabsorbable(Exception):
+    """The projections cannot be folded into the op (the site falls back to act_mul)."""
+
+
+@dataclass
+class _Projection:
+    x: fx.Node
+    weight: fx.Node | tuple[fx.Node, int]     # a weight, or (fused weight, half index)
+    lora_a: fx.Node | None = None
+    lora_b: fx.Node | tuple[fx.Node, int] | None = None
+    scale: float | None = None
+    nodes: tuple[fx.Node, ...] = ()
+
+
+def _activation(node) -> tuple[str, fx.Node] | None:
+    if is_kind(node, "silu"):
+        return "silu", arg(node, 0, "input")
+    if is_kind(node, "gelu"):
+        approximate = arg(node, 1, "approximate", "none")
+        return (f"gelu_{approximate}" if approximate != "none" else "gelu"), arg(node, 0, "input")
+    return None
+
+
+def _plain_linear(node) -> tuple[fx.Node, fx.Node] | None:
+    if is_kind(node, "linear") and arg(node, 2, "bias") is None:
+        return arg(node, 0, "input"), arg(node, 1, "weight")
+    return None
+
+
+def _lora_branch(node) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]] | None:
+    """(x, A, B, scale, nodes) for `B(A(x')) * scale` where x' is x, maybe cast (PEFT's adapter path)."""
+    if not is_kind(node, "mul"):
+        return None
+    a, b = binary_operands(node)
+    branch, scale = (a, b) if is_scalar(b) else (b, a)
+    if not is_scalar(scale) or isinstance(scale, fx.Node) or (down := _plain_linear(branch)) is None:
+        return None
+    lora_out, lora_b = down
+    if (up := _plain_linear(lora_out)) is None:
+        return None
+    x_in, lora_a = up
+    if is_kind(x_in, "dropout"):
+        if arg(x_in, 1, "p", 0.5) != 0.0 or not isinstance(arg(x_in, 1, "p", 0.5), (int, float)):
+            raise Unabsorbable("LoRA dropout > 0 (set lora_dropout=0 to fuse this MLP)")
+        x_in = arg(x_in, 0, "input")
+    return strip_widening_casts(x_in), lora_a, lora_b, float(scale), [node, branch, lora_out]
+
+
+def _projection(node: fx.Node) -> _Projection:
+    """What produced one input of `act(g) * u`, if the op can recompute it from x."""
+    nodes = []
+    if is_kind(node, "cast"):  # PEFT casts the base + adapter sum back to the input dtype
+        nodes.append(node)
+        node = node.args[0]
+    if is_kind(node, "getitem") and is_kind(node.args[0], "chunk"):
+        chunk = node.args[0]
+        if arg(chunk, 1, "chunks") != 2 or arg(chunk, 2, "dim", 0) not in (-1, len(shape(chunk.args[0])) - 1):
+            raise Unabsorbable("fused gate_up split other than chunk(2, -1)")
+        fused = _projection(chunk.args[0])
+        half = node.args[1]
+        return _Projection(
+            fused.x, (fused.weight, half), fused.lora_a,
+            None if fused.lora_b is None else (fused.lora_b, half), fused.scale, (*nodes, node, *fused.nodes),
+        )
+    if (plain := _plain_linear(node)) is not None:
+        return _Projection(*plain, nodes=(*nodes, node))
+    if is_kind(node, "add"):
+        a, b = binary_operands(node)
+        for base, branch in ((a, b), (b, a)):
+            plain, lora = _plain_linear(base), _lora_branch(branch)
+            if plain is not None and lora is not None:
+                x, lora_a, lora_b, scale, lora_nodes = lora
+                if x is not plain[0]:
+                    raise Unabsorbable("the LoRA adapter reads another input than its base linear")
+                return _Projection(plain[0], plain[1], lora_a, lora_b, scale, (*nodes, node, base, *lora_nodes))
+    if is_kind(node, "linear"):
+        raise Unabsorbable("projection has a bias")
+    raise Unabsorbable(f"projection produced by {node.target if isinstance(node, fx.Node) else node!r}, not a linear")
+
+
+def _weight_half(graph: fx.Graph, weight, rows: int) -> fx.Node:
+    """A plain weight, or one half (rows of it) of a fused [2I, ...] weight, as a graph node."""
+    if isinstance(weight, tuple):
+        fused, half = weight
+        return graph.call_function(operator.getitem, (fused, slice(half * rows, (half + 1) * rows)))
+    return weight
+
+
+def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Projection, up: _Projection) -> None:
+    inter = shape(product)[-1]
+    scales = {p.scale for p in (gate, up) if p.scale is not None}
+    if len(scales) > 1:
+        raise Unabsorbable(f"gate and up LoRA scales differ ({sorted(scales)})")
+    with graph.inserting_before(product):
+        args = [gate.x, _weight_half(graph, gate.weight, inter), _weight_half(graph, up.weight, inter)]
+        for p in (gate, up):
+            args += [p.lora_a, None if p.lora_b is None else _weight_half(graph, p.lora_b, inter)]
+        args += [scales.pop() if scales else 1.0, activation]
+        new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default, tuple(args))
+    propagate_meta(new, product)
+    product.replace_all_uses_with(new)
+
+
+def _emit_fallback(graph: fx.Graph, product: fx.Node, activation: str, g: fx.Node, u: fx.Node) -> None:
+    with graph.inserting_before(product):
+        new = graph.call_function(torch.ops.fastgrpo.act_mul.default, (g, u, activation))
+    propagate_meta(new, product)
+    product.replace_all_uses_with(new)
+
+
+def _erase_dead(graph: fx.Graph, nodes) -> None:
+    for node in reversed(list(nodes)):
+        if node.graph is graph and not node.users:
+            graph.erase_node(node)
+
+
+def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
+    graph = gm.graph
+    for product in list(graph.nodes):
+        if product.graph is not graph or not is_kind(product, "mul"):
+            continue
+        a, b = binary_operands(product)
+        act_node, other = (a, b) if _activation(a) else (b, a)
+        found = _activation(act_node)
+        if found is None or len(act_node.users) != 1 or not isinstance(other, fx.Node):
+            continue
+        activation, g = found
+        u = other
+        site = site_name(product)
+        if activation not in ("silu", "gelu_tanh"):
+            record.miss(site, f"activation {activation} is not SiLU or tanh-GELU")
+            continue
+        if shape(g) != shape(u) or dtype(g) != dtype(u) or dtype(g) not in (torch.float32, torch.float16, torch.bfloat16):
+            record.miss(site, f"gate {shape(g)} {dtype(g)} and up {shape(u)} {dtype(u)} differ or are not float")
+            continue
+        try:
+            gate, up = _projection(g), _projection(u)
+            if gate.x is not up.x:
+                raise Unabsorbable("gate and up read different inputs")
+            if dtype(gate.x) != dtype(product):
+                raise Unabsorbable(f"input dtype {dtype(gate.x)} differs from the MLP's {dtype(product)}")
+            if len(g.users) != 1 or len(u.users) != 1:
+                raise Unabsorbable("gate or up projection is used outside the MLP")
+            _emit_fused(graph, product, activation, gate, up)
+            _erase_dead(graph, [*gate.nodes[::-1], *up.nodes[::-1], act_node, product])
+            lora = "LoRA " if gate.lora_a is not None or up.lora_a is not None else ""
+            fused = "fused gate_up, " if isinstance(gate.weight, tuple) else ""
+            record.match(site, f"gated_mlp ({fused}{lora}{activation}, recomputes projections)")
+        except Unabsorbable as why:
+            _emit_fallback(graph, product, activation, g, u)
+            _erase_dead(graph, [act_node, product])
+            record.match(site, f"act_mul fallback ({activation}; saves gate and up): {why}")
+    graph.lint()
+    gm.recompile()

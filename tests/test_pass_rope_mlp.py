@@ -1,0 +1,185 @@
+"""RoPE and gated-MLP passes on the architecture matrix, plus the forms and fallbacks they must handle."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastgrpo
+from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, grads, tiny_model
+
+
+def _records(name):
+    return [r["patterns"][name] for r in fastgrpo.fusion_reports()]
+
+
+def _compile_and_compare(model, ids, inner="eager", options=None):
+    expected = model(input_ids=ids).logits
+    expected.float().square().mean().backward()
+    expected_grads = grads(model)
+    model.zero_grad()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fastgrpo", options={"inner": inner, **(options or {})})
+    actual = compiled(input_ids=ids).logits
+    actual.float().square().mean().backward()
+    return expected.detach(), actual.detach(), expected_grads, grads(model)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rope_and_mlp_matched_on_every_layer(arch, lora):
+    model = tiny_model(arch, lora=lora)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, VOCAB, (2, 10))
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model, ids)
+    rope, mlp = _records("rope"), _records("gated_mlp")
+    assert sum(r["matched"] for r in rope) == layers
+    assert sum(r["matched"] for r in mlp) == layers
+    # Every MLP absorbed its projections (no act_mul fallback) on these architectures.
+    assert all(s["form"].startswith("gated_mlp") for r in mlp for s in r["sites"])
+    assert not any(r["near_misses"] for r in rope + mlp)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+def _relative_error(grads_by_name: dict, reference: dict) -> float:
+    """Relative error of all the gradients together (per-tensor errors of a tiny bf16 model are noise)."""
+    err = sum((g.float() - reference[n]).square().sum() for n, g in grads_by_name.items())
+    return (err / sum(r.square().sum() for r in reference.values())).sqrt().item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_bf16_base_with_fp32_adapters_is_as_accurate_as_eager(arch):
+    """bf16 rounds differently in the fused ops (once, from fp32) than in eager (at every step):
+    measure both against the same model in fp32 and require ours to be no less accurate."""
+    model = tiny_model(arch, lora=True)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    model(input_ids=ids).logits.float().square().mean().backward()
+    reference = {n: g.float() for n, g in grads(model).items()}
+    model.zero_grad()
+    model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model, ids)
+    assert sum(r["matched"] for r in _records("gated_mlp")) == model.config.num_hidden_layers
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=3e-2, atol=3e-2)
+    eager_err, our_err = _relative_error(expected_grads, reference), _relative_error(actual_grads, reference)
+    print(f"{arch} bf16 gradient error vs fp32: fastgrpo {our_err:.4f}, eager {eager_err:.4f}")
+    assert our_err <= 1.5 * eager_err
+
+
+def test_partial_rotary_is_reported_as_such():
+    model = tiny_model("phi3", partial_rotary_factor=0.5)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model, ids)
+    forms = [s["form"] for r in _records("rope") for s in r["sites"]]
+    assert forms and all("partial rotary (16 of 32 channels)" in f for f in forms)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+def _rotate_every_two(x):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def test_interleaved_rope():
+    def attn_inputs(q, k, cos, sin):
+        return q * cos + _rotate_every_two(q) * sin, k * cos + _rotate_every_two(k) * sin
+
+    q = torch.randn(2, 4, 6, 32, requires_grad=True)
+    k = torch.randn(2, 2, 6, 32, requires_grad=True)
+    angles = torch.randn(1, 1, 6, 16)
+    cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    expected = attn_inputs(q, k, cos, sin)
+    sum(t.square().sum() for t in expected).backward()
+    expected_grads = q.grad.clone(), k.grad.clone()
+    q.grad = k.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(attn_inputs, backend="fastgrpo", options={"inner": "eager"})(q, k, cos, sin)
+    sum(t.square().sum() for t in actual).backward()
+    assert _records("rope")[0]["matched"] == 1
+    assert "interleaved" in _records("rope")[0]["sites"][0]["form"]
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.grad, expected_grads[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad, expected_grads[1], rtol=1e-5, atol=1e-5)
+
+
+class _BiasedMLP(torch.nn.Module):
+    """A gated MLP whose projections have biases: the op cannot absorb them."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(32, 48), torch.nn.Linear(32, 48)
+        self.down = torch.nn.Linear(48, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_unabsorbable_projections_fall_back_to_act_mul_and_say_why():
+    mlp = _BiasedMLP()
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    expected = mlp(x)
+    expected.sum().backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(mlp, backend="fastgrpo", options={"inner": "eager"})(x)
+    actual.sum().backward()
+    (site,) = _records("gated_mlp")[0]["sites"]
+    assert site["form"].startswith("act_mul fallback") and "bias" in site["form"]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_gelu_is_a_reported_near_miss():
+    def mlp(x, wg, wu):
+        return F.gelu(F.linear(x, wg)) * F.linear(x, wu)
+
+    x, wg, wu = torch.randn(4, 16), torch.randn(24, 16), torch.randn(24, 16)
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    out = torch.compile(mlp, backend="fastgrpo", options={"inner": "eager"})(x, wg, wu)
+    record = _records("gated_mlp")[0]
+    assert record["matched"] == 0 and "gelu is not SiLU" in record["near_misses"][0]["reason"]
+    torch.testing.assert_close(out, mlp(x, wg, wu))
+
+
+def _saved(fn) -> list[torch.Tensor]:
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_decoder_layers_keep_no_mlp_intermediate_and_save_less_than_inductor():
+    # A real MLP ratio (intermediate = 4 x hidden): the MLP intermediates dominate as in real models.
+    model = tiny_model("llama", lora=True, num_hidden_layers=1, intermediate_size=256)
+    ids = torch.randint(3, VOCAB, (2, 128))
+    tokens, hidden, inter = 2 * 128, model.config.hidden_size, model.config.intermediate_size
+    saved = {}
+    for name, options in (("inductor", {"inner": "inductor", "patterns": []}), ("fastgrpo", {"inner": "inductor"})):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fastgrpo", options=options)
+        saved[name] = _saved(lambda: compiled(input_ids=ids).logits)
+    nbytes = {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in saved.items()}
+    intermediate, row = tokens * inter * 4, tokens * hidden * 4
+    print(f"saved for backward: fastgrpo {nbytes['fastgrpo']} vs inductor {nbytes['inductor']} bytes "
+          f"(ratio {nbytes['fastgrpo'] / nbytes['inductor']:.2f})")
+    # Inductor keeps the gate and up projections; we keep neither (the MLP output, which the down
+    # projection's LoRA needs, is saved by both).
+    def intermediates(ts):
+        return sum(t.numel() == tokens * inter for t in ts)
+
+    assert intermediates(saved["inductor"]) - intermediates(saved["fastgrpo"]) >= 2
+    # Net of the one [tokens x hidden] norm output an opaque norm op makes inductor save instead of recompute.
+    assert nbytes["inductor"] - nbytes["fastgrpo"] >= 2 * intermediate - row
