@@ -1,0 +1,244 @@
+"""RMSNorm and residual-add + RMSNorm, forward + backward, bf16: fastgrpo vs eager HF-style
+code, torch.compile (inductor) of that code, and Liger-Kernel (when importable).
+
+    python bench/bench_rms_norm.py                 # rows 32768, H in {576, 1536, 4096, 8192}
+    python bench/bench_rms_norm.py --dry-run       # tiny shapes on CPU: checks the providers agree
+    python bench/bench_rms_norm.py --sweep         # time the kernels' launch configurations
+
+Bytes counted (the minimum traffic of the op, weight excluded):
+    rms:      fwd reads x, writes y;            bwd reads x, dy, writes dx         -> 5 * N * H * 2
+    add+rms:  fwd reads x, res, writes s, y;    bwd reads s, dy, ds, writes d(s)   -> 8 * N * H * 2
+d(res) is the same tensor as d(x) (d(s) itself), in every provider, so it is written once.
+The weight requires grad (dW is computed). Times are medians of triton.testing.do_bench
+(with the Python launch overhead) and of do_bench_cudagraph (GPU time only).
+If OUT is set, results also go to $OUT/bench_rms_norm.json.
+"""
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fastgrpo.kernels import rms_norm as fastgrpo_rms  # noqa: E402
+
+EPS = 1e-6
+DTYPE = torch.bfloat16
+DEVICE_COPY_TBPS = 4.3  # measured device-to-device copy bandwidth of the H200 (DESIGN.md §4)
+
+
+def eager_rms_norm(x, weight):  # LlamaRMSNorm.forward
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + EPS)
+    return weight * h.to(input_dtype)
+
+
+def eager_add_rms_norm(x, residual, weight):  # decoder layer: residual add, then the next norm
+    s = x + residual
+    return s, eager_rms_norm(s, weight)
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None, None
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError:
+        LigerFusedAddRMSNormFunction = None
+    return LigerRMSNormFunction, LigerFusedAddRMSNormFunction
+
+
+def providers(mode, with_inductor, with_liger):
+    """name -> fn(*inputs) returning the outputs as a tuple ((y,) or (s, y))."""
+    if mode == "rms":
+        out = {
+            "eager": lambda x, w: (eager_rms_norm(x, w),),
+            "fastgrpo": lambda x, w: (fastgrpo_rms.rms_norm(x, w, EPS),),
+        }
+        if with_inductor:
+            compiled = torch.compile(eager_rms_norm, dynamic=False)
+            out["inductor"] = lambda x, w: (compiled(x, w),)
+        liger_rms, _ = _liger() if with_liger else (None, None)
+        if liger_rms is not None:
+            # Liger's defaults: llama casting, dX written into dY's storage.
+            out["liger"] = lambda x, w: (liger_rms.apply(x, w, EPS, 0.0, "llama", True),)
+    else:
+        out = {
+            "eager": eager_add_rms_norm,
+            "fastgrpo": lambda x, r, w: fastgrpo_rms.add_rms_norm(x, r, w, EPS),
+        }
+        if with_inductor:
+            out["inductor"] = torch.compile(eager_add_rms_norm, dynamic=False)
+        _, liger_add = _liger() if with_liger else (None, None)
+        if liger_add is not None:
+            out["liger"] = lambda x, r, w: tuple(reversed(liger_add.apply(x, r, w, EPS, 0.0, "llama", False)))
+    return out
+
+
+def make_inputs(mode, rows, H, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, requires_grad=False):
+        return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE).requires_grad_(requires_grad)
+
+    x = randn(rows, H, requires_grad=True)
+    w = (randn(H) * 0.1 + 1).requires_grad_()
+    if mode == "rms":
+        return (x, w), (randn(rows, H),)
+    return (x, randn(rows, H, requires_grad=True), w), (randn(rows, H), randn(rows, H))
+
+
+def fwd_bwd(fn, inputs, grads):
+    def step():
+        outs = fn(*inputs)
+        return torch.autograd.grad(outs, inputs, grads)
+
+    return step
+
+
+def bytes_moved(mode, rows, H):
+    per_elem = 5 if mode == "rms" else 8
+    return per_elem * rows * H * torch.finfo(DTYPE).bits // 8
+
+
+def check_agreement(mode, fns, rows, H, device):
+    """Every provider's outputs and grads close to eager's (bf16 tolerances)."""
+    inputs, grads = make_inputs(mode, rows, H, device)
+    ref = None
+    for name, fn in fns.items():
+        grads_copy = tuple(g.clone() for g in grads)  # Liger writes dX into dY
+        outs = fn(*inputs)
+        got = tuple(o.float() for o in outs) + tuple(g.float() for g in torch.autograd.grad(outs, inputs, grads_copy))
+        if ref is None:
+            ref = got
+            continue
+        for i, (a, b) in enumerate(zip(got, ref)):
+            err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+            if err > 2e-2:
+                raise AssertionError(f"{mode} H={H}: {name} output {i} differs from eager by {err:.3g} (relative)")
+
+
+def bench(mode, rows, H, with_inductor, with_liger):
+    import triton.testing
+
+    fns = providers(mode, with_inductor, with_liger)
+    check_agreement(mode, fns, 256, H, "cuda")
+    results = {}
+    for name, fn in fns.items():
+        inputs, grads = make_inputs(mode, rows, H, "cuda")
+        step = fwd_bwd(fn, inputs, grads)
+        step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
+        ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+        gbps = bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9
+        gbps_graph = bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9
+        results[name] = dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph, gbps=gbps,
+                             gbps_cudagraph=gbps_graph, peak_extra_mib=peak / 2**20)
+    return results
+
+
+def sweep(rows, hidden_sizes):
+    """Time each launch configuration of the Triton kernels (forward, backward with and
+    without dW) at the benchmark shapes, GPU time only; used to set _fwd_config / _bwd_config."""
+    import triton
+    import triton.testing
+
+    saved = fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config
+    try:
+        for H in hidden_sizes:
+            block_h = triton.next_power_of_2(H)
+            (x, w), (dy,) = make_inputs("rms", rows, H, "cuda")
+            x, w = x.detach(), w.detach()
+            bytes_per_elem = {"fwd": 4, "bwd": 6, "bwd+dw": 6}
+            configs = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (2, 4, 8, 16, 32)
+                       if 8 <= br * block_h // (nw * 32) <= 32]
+            for kind in ("fwd", "bwd", "bwd+dw"):
+                timings = []
+                per_sm_options = {"fwd": (None,), "bwd": (None, 2, 4, 8), "bwd+dw": (1, 2, 3, 4, 6)}[kind]
+                for (block_row, num_warps), per_sm in itertools.product(configs, per_sm_options):
+                    fastgrpo_rms._fwd_config = lambda H_, on_cuda, c=(block_row, num_warps): c
+                    fastgrpo_rms._bwd_config = lambda H_, on_cuda, dw, c=(block_row, num_warps, per_sm): c
+                    if kind == "fwd":
+                        def fn():
+                            return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
+                    else:
+                        def fn(need_dw=kind == "bwd+dw"):
+                            return torch.ops.fastgrpo.rms_norm_backward(dy, None, x, w, EPS, 0.0, False, True, need_dw)
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                    timings.append((ms, block_row, num_warps, per_sm))
+                timings.sort()
+                line = ", ".join(f"br{b} w{nw} sm*{p}: {ms * 1e3:.1f}us "
+                                 f"({bytes_per_elem[kind] * rows * H / (ms * 1e-3) / 1e9:.0f} GB/s)"
+                                 for ms, b, nw, p in timings[:5])
+                print(f"H={H} {kind:7s} {line}", flush=True)
+    finally:
+        fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
+
+
+def dry_run():
+    """CPU, tiny shapes: the providers that run on CPU agree and the byte counts are right."""
+    for mode in ("rms", "add+rms"):
+        check_agreement(mode, providers(mode, with_inductor=False, with_liger=False), 64, 96, "cpu")
+    assert bytes_moved("rms", 32768, 4096) == 5 * 32768 * 4096 * 2
+    print("dry run ok: eager and fastgrpo agree on CPU for rms and add+rms")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[576, 1536, 4096, 8192])
+    parser.add_argument("--no-inductor", action="store_true")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    if args.dry_run:
+        return dry_run()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (use --dry-run on CPU)")
+    if args.sweep:
+        return sweep(args.rows, args.hidden)
+
+    all_results = []
+    for mode in ("rms", "add+rms"):
+        for H in args.hidden:
+            res = bench(mode, args.rows, H, not args.no_inductor, with_liger=True)
+            for name, r in res.items():
+                all_results.append(dict(mode=mode, rows=args.rows, hidden=H, provider=name, **r))
+            print(f"{mode} H={H}: " + ", ".join(f"{n} {r['ms'] * 1e3:.0f}us" for n, r in res.items()), flush=True)
+
+    peak_gbps = DEVICE_COPY_TBPS * 1e3
+    print(f"\n{torch.cuda.get_device_name()}, bf16, rows={args.rows}, fwd+bwd with dW; "
+          f"% = share of {DEVICE_COPY_TBPS} TB/s; x = speed-up of fastgrpo over the provider\n")
+    print("| mode | H | provider | ms | GB/s | % peak | ms (CUDA graph) | GB/s (graph) | % peak (graph) "
+          "| extra peak MiB | fastgrpo x | fastgrpo x (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in all_results:
+        ours = next(o for o in all_results if o["mode"] == r["mode"] and o["hidden"] == r["hidden"]
+                    and o["provider"] == "fastgrpo")
+        r["fastgrpo_speedup"] = r["ms"] / ours["ms"]
+        r["fastgrpo_speedup_cudagraph"] = r["ms_cudagraph"] / ours["ms_cudagraph"]
+        print(f"| {r['mode']} | {r['hidden']} | {r['provider']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+              f"{100 * r['gbps'] / peak_gbps:.0f} | {r['ms_cudagraph']:.4f} | {r['gbps_cudagraph']:.0f} | "
+              f"{100 * r['gbps_cudagraph'] / peak_gbps:.0f} | {r['peak_extra_mib']:.0f} | "
+              f"{r['fastgrpo_speedup']:.2f} | {r['fastgrpo_speedup_cudagraph']:.2f} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_rms_norm.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           results=all_results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

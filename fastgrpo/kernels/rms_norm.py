@@ -1,0 +1,616 @@
+"""RMSNorm and residual-add + RMSNorm as fastgrpo custom ops.
+
+    torch.ops.fastgrpo.rms_norm(x, weight, eps, offset, weight_in_fp32, out_dtype) -> normed
+    torch.ops.fastgrpo.add_rms_norm(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
+        -> (sum, normed)
+
+Rounding points (they make the result equal HF eager code up to the last bit of fp32
+reductions):
+    s   = x + residual, in promote_types(x, residual), rounded    (add variant; "src" = s, else x)
+    n   = src.float() * rsqrt(mean(src.float()^2) + eps)           (fp32)
+    weight None:            y = n.to(out_dtype)
+    weight_in_fp32 False:   y = (n.to(src.dtype) * w_eff) in promote_types(src, weight), rounded,
+                            then .to(out_dtype); w_eff = weight, or (weight + offset) rounded to
+                            weight.dtype when offset != 0                  (Llama family)
+    weight_in_fp32 True:    y = (n * (weight.float() + offset)).to(out_dtype)  (Gemma, OLMo2)
+
+Saved for backward: the normalised input (x, or the sum s) and the weight. Nothing else:
+the backward kernel reads every row in full anyway, so it recomputes rstd from that row
+instead of keeping an fp32 [rows] tensor alive between forward and backward.
+
+Backward differentiates the fp32 formula (the intermediate roundings are ignored):
+    g  = dy * w_eff            dx = rstd * (g - n * mean(g * n))  (+ d(sum) for the add variant)
+    dw = sum over rows of dy * n, as per-program fp32 partials summed afterwards (deterministic).
+The add variant returns one gradient for x and residual (the same tensor when their dtypes
+match), as d(x + residual) / dx = d(x + residual) / dresidual = 1.
+
+CUDA tensors run the Triton kernels; CPU tensors run the torch implementation below (or the
+Triton kernels through the interpreter inside `_dispatch.triton_on_cpu()`).
+"""
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fastgrpo.kernels import _dispatch
+
+# One row must fit one Triton block; wider rows are rejected (the compiler pass leaves them to
+# inductor and reports the site).
+MAX_HIDDEN_SIZE = 65536
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offsets(rows, n1, n2, stride0, stride1, stride2):
+    """Element offset of each row of a [n0, n1, n2, H] strided tensor (rows are int64)."""
+    i2 = rows % n2
+    rest = rows // n2
+    return (rest // n1) * stride0 + (rest % n1) * stride1 + i2 * stride2
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """fp32 x rounded to DTYPE (round to nearest even).
+
+    Triton's interpreter truncates fp32 -> bf16 (casts and stores alike); with
+    EMULATE_BF16_RTNE (set on the CPU/interpreter path only) the rounding is done on the bits,
+    after which the interpreter's truncating cast is exact."""
+    if EMULATE_BF16_RTNE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, x_s0, x_s1, x_s2,
+    res_ptr, res_s0, res_s1, res_s2,
+    w_ptr,
+    y_ptr,
+    sum_ptr,
+    n_rows, n1, n2, H,
+    eps, offset,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    WEIGHT_IN_FP32: tl.constexpr,
+    ROUND_W_EFF: tl.constexpr,  # llama mode with offset != 0: (w + offset) rounded to w's dtype
+    SRC_DTYPE: tl.constexpr,  # dtype of the normalised input (x, or the rounded sum)
+    W_DTYPE: tl.constexpr,
+    PROD_DTYPE: tl.constexpr,  # llama mode: dtype the product n.to(src) * w_eff is rounded to
+    OUT_DTYPE: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    out_offsets = rows[:, None] * H + cols[None, :]
+
+    x_offsets = _row_offsets(rows, n1, n2, x_s0, x_s1, x_s2)
+    # Upcast right after the load: all arithmetic in fp32, rounding only where torch rounds.
+    v = tl.load(x_ptr + x_offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_offsets = _row_offsets(rows, n1, n2, res_s0, res_s1, res_s2)
+        r = tl.load(res_ptr + res_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+        v = _cast(v + r.to(tl.float32), SRC_DTYPE, EMULATE_BF16_RTNE)
+        tl.store(sum_ptr + out_offsets, v, mask=mask)
+        v = v.to(tl.float32)
+
+    rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+    n = v * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHT_IN_FP32:
+            y = n * (w + offset)[None, :]
+        else:
+            if ROUND_W_EFF:
+                w = _cast(w + offset, W_DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+            n = _cast(n, SRC_DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+            y = _cast(n * w[None, :], PROD_DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+    else:
+        y = n
+    tl.store(y_ptr + out_offsets, _cast(y, OUT_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+
+
+@triton.jit
+def _load_rows(ptr, rows, n_rows, n1, n2, stride0, stride1, stride2, cols, col_mask):
+    offsets = _row_offsets(rows, n1, n2, stride0, stride1, stride2)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    return tl.load(ptr + offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, dy_s0, dy_s1, dy_s2,
+    dsum_ptr, dsum_s0, dsum_s1, dsum_s2,
+    src_ptr, src_s0, src_s1, src_s2,
+    w_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows, n1, n2, H,
+    eps, offset,
+    HAS_DSUM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    ROUND_W_EFF: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    NEED_DX: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    DX_DTYPE: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Each program walks row blocks pid, pid + P, pid + 2P, ... (P = number of programs) and,
+    when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid]."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK_ROW
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if ROUND_W_EFF:
+            w = _cast(w + offset, W_DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        else:
+            w = w + offset
+    if NEED_DW:
+        dw_acc = tl.zeros((BLOCK_ROW, BLOCK_H), dtype=tl.float32)
+
+    # Register prefetch: the next block's loads are in flight while this block computes, which
+    # keeps the few programs a dW reduction allows busy on memory.
+    rows = (pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)).to(tl.int64)  # int64: offsets pass 2**31
+    v_next = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
+    dy_next = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
+    if HAS_DSUM:
+        dsum_next = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+    for _ in range(pid * BLOCK_ROW, n_rows, step):
+        v = v_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        if HAS_DSUM:
+            dsum = dsum_next.to(tl.float32)
+        next_rows = rows + step
+        v_next = _load_rows(src_ptr, next_rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
+        dy_next = _load_rows(dy_ptr, next_rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
+        if HAS_DSUM:
+            dsum_next = _load_rows(dsum_ptr, next_rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+
+        rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+        n = v * rstd[:, None]
+        if NEED_DX:
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            mean_gn = tl.sum(g * n, axis=1) / H
+            dx = (g - n * mean_gn[:, None]) * rstd[:, None]
+            if HAS_DSUM:
+                dx += dsum
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+        if NEED_DW:
+            dw_acc += dy * n
+        rows = next_rows
+
+    if NEED_DW:
+        tl.store(dw_partial_ptr + pid * H + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _dw_reduce_kernel(
+    partial_ptr, dw_ptr, n_partials, H,
+    DW_DTYPE: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dw[c] = sum over p of partial[p, c], in a fixed order (deterministic), rounded once."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < H
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(partial_ptr + p[:, None].to(tl.int64) * H + cols[None, :], mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, _cast(tl.sum(acc, axis=0), DW_DTYPE, EMULATE_BF16_RTNE), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _block_h(H: int) -> int:
+    return triton.next_power_of_2(H)
+
+
+# Launch configurations, from a sweep on an H200 (bench/bench_rms_norm.py --sweep, rows 32768,
+# H in {576, 1536, 4096, 8192}, bf16). The best ones share a pattern: a fixed number of
+# elements per program and per thread, whatever H.
+
+
+def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
+    """(rows per program, num_warps) for the forward kernel: >= 2048 elements a program,
+    32 a thread."""
+    block_h = _block_h(H)
+    if not on_cuda:
+        # Interpreter: each program costs Python overhead, so few programs with big blocks.
+        return max(1, 16384 // block_h), 1
+    block_row = max(1, 2048 // block_h)
+    return block_row, min(32, max(2, block_row * block_h // 1024))
+
+
+def _bwd_config(H: int, on_cuda: bool, need_dw: bool) -> tuple[int, int, Optional[int]]:
+    """(rows per program, num_warps, programs per SM) for the backward kernel, whose programs
+    are persistent (they loop over row blocks, prefetching the next). Without dW: 4096 to
+    16384 elements a program, 32 a thread. With dW the fp32 accumulator takes registers:
+    >= 4096 elements a program, 16 a thread, 2 programs per SM."""
+    block_h = _block_h(H)
+    if not on_cuda:
+        return max(1, 16384 // block_h), 1, (2 if need_dw else None)
+    if need_dw:
+        block_row = max(1, 4096 // block_h)
+        return block_row, min(32, block_row * block_h // 512), 2
+    block_row = max(1, min(max(4 * block_h, 4096), 16384) // block_h)
+    return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:
+    """Programs of a backward launch. With dW these are persistent programs whose number is
+    fixed per device, so the fp32 partial sums (hence dW) are bit-reproducible."""
+    if programs_per_sm is None:
+        return n_row_blocks
+    sms = 1  # the interpreter: few programs
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(n_row_blocks, programs_per_sm * sms))
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of the (up to) three leading dims, padded at the front with zeros."""
+    strides = t.stride()[:-1]
+    return (0,) * (3 - len(strides)) + tuple(strides)
+
+
+def _strided_rows(tensors: list[Optional[torch.Tensor]]):
+    """Bring same-shaped [..., H] tensors (the first one not None) into a layout the kernels index directly: unit stride
+    along H, at most three leading dims (any strides there). Returns the tensors, the leading
+    sizes (n0, n1, n2) and each tensor's leading strides."""
+    shape = tensors[0].shape
+    H = shape[-1]
+    flatten = len(shape) > 4
+    out = []
+    for t in tensors:
+        if t is not None:
+            if flatten:
+                t = t.reshape(-1, H)  # a view when the leading dims collapse, a copy otherwise
+            if H > 1 and t.stride(-1) != 1:
+                t = t.contiguous()
+        out.append(t)
+    lead = tuple(out[0].shape[:-1])
+    lead = (1,) * (3 - len(lead)) + lead
+    strides = [_row_strides(t) if t is not None else (0, 0, 0) for t in out]
+    return out, lead, strides
+
+
+def _check_hidden(op: str, H: int) -> None:
+    if H > MAX_HIDDEN_SIZE:
+        raise ValueError(
+            f"fastgrpo::{op}: hidden size {H} exceeds {MAX_HIDDEN_SIZE}, the widest row one "
+            f"Triton block holds; leave this norm to inductor"
+        )
+
+
+def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
+    H = x.shape[-1]
+    src_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=src_dtype, device=x.device) if residual is not None else None
+    n_rows = y.numel() // H if H else 0
+    if n_rows == 0 or H == 0:
+        return y, s
+    (x_, res_), (_, n1, n2), (x_st, res_st) = _strided_rows([x, residual])
+    if weight is not None:
+        weight = weight.contiguous()
+    prod_dtype = torch.promote_types(src_dtype, weight.dtype) if weight is not None else src_dtype
+    block_row, num_warps = _fwd_config(H, x.is_cuda)
+    grid = (triton.cdiv(n_rows, block_row),)
+    _rms_norm_fwd_kernel[grid](
+        x_, *x_st,
+        res_ if res_ is not None else x_, *res_st,
+        weight if weight is not None else x_,
+        y,
+        s if s is not None else y,
+        n_rows, n1, n2, H,
+        eps, offset,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        WEIGHT_IN_FP32=weight_in_fp32,
+        ROUND_W_EFF=weight is not None and not weight_in_fp32 and offset != 0.0,
+        SRC_DTYPE=_TL_DTYPES[src_dtype],
+        W_DTYPE=_TL_DTYPES[weight.dtype] if weight is not None else tl.float32,
+        PROD_DTYPE=_TL_DTYPES[prod_dtype],
+        OUT_DTYPE=_TL_DTYPES[out_dtype],
+        EMULATE_BF16_RTNE=not x.is_cuda,
+        BLOCK_ROW=block_row,
+        BLOCK_H=_block_h(H),
+        num_warps=num_warps,
+    )
+    return y, s
+
+
+def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
+    H = src.shape[-1]
+    weight_grad = weight_grad and weight is not None
+    dx = torch.empty(src.shape, dtype=src.dtype, device=src.device) if input_grad else src.new_empty(0)
+    n_rows = src.numel() // H if H else 0
+    if n_rows == 0 or H == 0:
+        return dx, (torch.zeros_like(weight) if weight_grad else src.new_empty(0))
+    (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src])
+    if weight is not None:
+        weight = weight.contiguous()
+    block_row, num_warps, programs_per_sm = _bwd_config(H, src.is_cuda, weight_grad)
+    programs = _bwd_programs(src.device, triton.cdiv(n_rows, block_row), programs_per_sm)
+    dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
+    _rms_norm_bwd_kernel[(programs,)](
+        dy, *dy_st,
+        dsum if dsum is not None else dy, *dsum_st,
+        src_, *src_st,
+        weight if weight is not None else src_,
+        dx if input_grad else src_,
+        dw_partial if weight_grad else src_,
+        n_rows, n1, n2, H,
+        eps, offset,
+        HAS_DSUM=grad_sum is not None,
+        HAS_WEIGHT=weight is not None,
+        ROUND_W_EFF=weight is not None and not weight_in_fp32 and offset != 0.0,
+        W_DTYPE=_TL_DTYPES[weight.dtype] if weight is not None else tl.float32,
+        NEED_DX=input_grad,
+        NEED_DW=weight_grad,
+        DX_DTYPE=_TL_DTYPES[src.dtype],
+        EMULATE_BF16_RTNE=not src.is_cuda,
+        BLOCK_ROW=block_row,
+        BLOCK_H=_block_h(H),
+        num_warps=num_warps,
+    )
+    if not weight_grad:
+        return dx, src.new_empty(0)
+    dw = torch.empty_like(weight)
+    # One pass over the partials per column block (a loop of loads would serialise on latency).
+    block_p = min(512, triton.next_power_of_2(programs))
+    _dw_reduce_kernel[(triton.cdiv(H, 16),)](
+        dw_partial, dw, programs, H,
+        DW_DTYPE=_TL_DTYPES[weight.dtype],
+        EMULATE_BF16_RTNE=not src.is_cuda,
+        BLOCK_P=block_p,
+        BLOCK_C=16,
+        num_warps=max(1, min(8, block_p // 64)),
+    )
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------------------
+# Torch implementation (CPU), same contract
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_eff(weight, offset, weight_in_fp32):
+    """The multiplier the forward applies: fp32 (w + offset) in gemma mode; in llama mode
+    w, or (w + offset) rounded to w's dtype."""
+    if weight_in_fp32:
+        return weight.float() + offset
+    return weight if offset == 0.0 else weight + offset
+
+
+def _forward_torch(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
+    s = x + residual if residual is not None else None
+    src = s if s is not None else x
+    xf = src.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        y = n.to(out_dtype)
+    elif weight_in_fp32:
+        y = (n * _weight_eff(weight, offset, True)).to(out_dtype)
+    else:
+        y = (_weight_eff(weight, offset, False) * n.to(src.dtype)).to(out_dtype)
+    # Contiguous outputs, as the Triton path and the fake implementation allocate them.
+    return y.contiguous(), (s.contiguous() if s is not None else None)
+
+
+def _backward_torch(grad_normed, grad_sum, src, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
+    H = src.shape[-1]
+    xf = src.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * rstd
+    dy = grad_normed.float()
+    dx = src.new_empty(0)
+    if input_grad:
+        g = dy * _weight_eff(weight, offset, weight_in_fp32).float() if weight is not None else dy
+        dxf = (g - n * (g * n).mean(-1, keepdim=True)) * rstd
+        if grad_sum is not None:
+            dxf = dxf + grad_sum.float()
+        dx = dxf.to(src.dtype).contiguous()
+    if weight_grad and weight is not None:
+        dw = (dy * n).reshape(-1, H).sum(0).to(weight.dtype)
+    else:
+        dw = src.new_empty(0)
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(op, x, residual, weight):
+    _dispatch.check_dtype(op, x)
+    if residual is not None:
+        _dispatch.check_dtype(op, residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"fastgrpo::{op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if x.dim() == 0:
+        raise ValueError(f"fastgrpo::{op}: x must have a last (hidden) dimension")
+    H = x.shape[-1]
+    _check_hidden(op, H)
+    if weight is not None:
+        _dispatch.check_dtype(op, weight)
+        if weight.shape != (H,):
+            raise ValueError(f"fastgrpo::{op}: weight shape {tuple(weight.shape)} != ({H},)")
+
+
+@torch.library.custom_op(
+    "fastgrpo::rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? weight, float eps, float offset, bool weight_in_fp32, ScalarType out_dtype) -> Tensor",
+)
+def _rms_norm_op(x, weight, eps, offset, weight_in_fp32, out_dtype):
+    _check_inputs("rms_norm", x, None, weight)
+    impl = _forward_triton if _dispatch.use_triton(x) else _forward_torch
+    return impl(x, None, weight, eps, offset, weight_in_fp32, out_dtype)[0]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, weight_in_fp32, out_dtype):
+    _check_inputs("rms_norm", x, None, weight)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op(
+    "fastgrpo::add_rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, bool weight_in_fp32, "
+    "ScalarType out_dtype) -> (Tensor sum, Tensor normed)",
+)
+def _add_rms_norm_op(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
+    _check_inputs("add_rms_norm", x, residual, weight)
+    impl = _forward_triton if _dispatch.use_triton(x) else _forward_torch
+    y, s = impl(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
+    return s, y
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
+    _check_inputs("add_rms_norm", x, residual, weight)
+    s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return s, x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op(
+    "fastgrpo::rms_norm_backward",
+    mutates_args=(),
+    schema="(Tensor grad_normed, Tensor? grad_sum, Tensor input, Tensor? weight, float eps, float offset, "
+    "bool weight_in_fp32, bool input_grad, bool weight_grad) -> (Tensor grad_input, Tensor grad_weight)",
+)
+def _rms_norm_backward_op(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
+    """Gradients of rms_norm / add_rms_norm. `input` is what the forward normalised (x, or the
+    sum); grad_input is d(input) in input's dtype (empty when input_grad is False), grad_weight
+    is dW in weight's dtype (empty when weight_grad is False or there is no weight)."""
+    impl = _backward_triton if _dispatch.use_triton(input) else _backward_torch
+    return impl(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad)
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
+    dx = input.new_empty(input.shape) if input_grad else input.new_empty(0)
+    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else input.new_empty(0)
+    return dx, dw
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps, offset, weight_in_fp32, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = (eps, offset, weight_in_fp32)
+
+
+def _rms_norm_backward(ctx, grad_normed):
+    x, weight = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fastgrpo.rms_norm_backward(
+        grad_normed, None, x, weight, *ctx.args, ctx.needs_input_grad[0], weight_grad
+    )
+    return (dx if ctx.needs_input_grad[0] else None), (dw if weight_grad else None), None, None, None, None
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, offset, weight_in_fp32, _ = inputs
+    ctx.save_for_backward(output[0], weight)
+    ctx.dtypes = (x.dtype, residual.dtype)
+    ctx.args = (eps, offset, weight_in_fp32)
+
+
+def _add_rms_norm_backward(ctx, grad_sum, grad_normed):
+    s, weight = ctx.saved_tensors
+    need_x, need_res, need_w = ctx.needs_input_grad[:3]
+    weight_grad = weight is not None and need_w
+    ds, dw = torch.ops.fastgrpo.rms_norm_backward(
+        grad_normed, grad_sum, s, weight, *ctx.args, need_x or need_res, weight_grad
+    )
+    dx = ds.to(ctx.dtypes[0]) if need_x else None
+    dres = ds.to(ctx.dtypes[1]) if need_res else None
+    return dx, dres, (dw if weight_grad else None), None, None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+_add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def _natural_dtype(src_dtype, weight, weight_in_fp32):
+    if weight is None or weight_in_fp32:
+        return src_dtype
+    return torch.promote_types(src_dtype, weight.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([..., H], any rank, any strides), with weight [H] or None.
+
+    weight_in_fp32=False rounds like HF Llama (`weight * x_normed.to(x.dtype)`);
+    weight_in_fp32=True like Gemma/OLMo2 (`(x_normed * (offset + weight.float())).to(x.dtype)`).
+    out_dtype None gives promote_types(x, weight) in the first case and x.dtype in the second.
+    """
+    if out_dtype is None:
+        out_dtype = _natural_dtype(x.dtype, weight, weight_in_fp32)
+    return torch.ops.fastgrpo.rms_norm(x, weight, eps, offset, weight_in_fp32, out_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + residual (in promote_types(x, residual), rounded), the fused
+    residual add + norm of a decoder layer; s is the next residual. Same options as rms_norm,
+    with s in place of x."""
+    if out_dtype is None:
+        out_dtype = _natural_dtype(torch.promote_types(x.dtype, residual.dtype), weight, weight_in_fp32)
+    return torch.ops.fastgrpo.add_rms_norm(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
