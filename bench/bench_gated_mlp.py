@@ -1,0 +1,209 @@
+"""Benchmark fastgrpo::gated_mlp and fastgrpo::act_mul against eager, inductor and Liger (bf16, GPU).
+
+    python bench/bench_gated_mlp.py            # H200: Qwen2.5-1.5B and Llama-8B MLPs, 32k tokens
+    python bench/bench_gated_mlp.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
+
+gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projection.
+  plain: trainable bf16 weights (full fine-tuning); lora: frozen bf16 base, fp32 PEFT adapters
+  r=16 on gate and up, scale 2. Eager is the HF + PEFT arithmetic written out; inductor compiles
+  that; liger is the same matmuls with LigerSiLUMulFunction for act*mul (what its SwiGLU MLP does).
+  TFLOP/s counts model FLOPs (forward, dx, dW when trained; not fastgrpo's recompute).
+  "saved MiB": memory held between forward and backward beyond the inputs.
+act_mul: h = silu(g) * u on [tokens, I] bf16; GB/s over the bytes read and written once.
+Writes $OUT/bench_gated_mlp.json when OUT is set.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp  # noqa: E402
+
+SHAPES = {  # name: (hidden, intermediate)
+    "qwen2.5-1.5b": (1536, 8960),
+    "llama-8b": (4096, 14336),
+}
+TOKENS = 32768
+RANK = 16
+LORA_SCALE = 2.0
+
+
+def eager_mlp(x, wg, wu, ga, gb, ua, ub):
+    """HF LlamaMLP up to down_proj, with PEFT's LoRA arithmetic when factors are given."""
+    g = F.linear(x, wg)
+    u = F.linear(x, wu)
+    if ga is not None:
+        g = (g + F.linear(F.linear(x.to(ga.dtype), ga), gb) * LORA_SCALE).to(x.dtype)
+        u = (u + F.linear(F.linear(x.to(ua.dtype), ua), ub) * LORA_SCALE).to(x.dtype)
+    return F.silu(g) * u
+
+
+def fastgrpo_mlp(x, wg, wu, ga, gb, ua, ub):
+    return gated_mlp(x, wg, wu, ga, gb, ua, ub, LORA_SCALE, "silu")
+
+
+def liger_mlp_fn():
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+
+    def liger_mlp(x, wg, wu, ga, gb, ua, ub):
+        g = F.linear(x, wg)
+        u = F.linear(x, wu)
+        if ga is not None:
+            g = (g + F.linear(F.linear(x.to(ga.dtype), ga), gb) * LORA_SCALE).to(x.dtype)
+            u = (u + F.linear(F.linear(x.to(ua.dtype), ua), ub) * LORA_SCALE).to(x.dtype)
+        return LigerSiLUMulFunction.apply(g, u)
+
+    return liger_mlp
+
+
+def make_mlp_inputs(hidden, inter, tokens, lora, device):
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    w_gate_up = torch.randn(2 * inter, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
+    wg, wu = w_gate_up[:inter].clone(), w_gate_up[inter:].clone()  # separate modules, as in Llama
+    if not lora:
+        return x, wg.requires_grad_(), wu.requires_grad_(), None, None, None, None
+    factors = [torch.randn(RANK, hidden, device=device) * hidden**-0.5, torch.randn(inter, RANK, device=device) * 0.01,
+               torch.randn(RANK, hidden, device=device) * hidden**-0.5, torch.randn(inter, RANK, device=device) * 0.01]
+    return (x, wg, wu, *[t.requires_grad_() for t in factors])
+
+
+def mlp_flops(hidden, inter, tokens, lora):
+    base = 2 * tokens * hidden * 2 * inter
+    fwd = base + (4 * tokens * RANK * (hidden + inter) if lora else 0)
+    bwd = base + (0 if lora else base) + (8 * tokens * RANK * (hidden + inter) if lora else 0)
+    return fwd, bwd
+
+
+def bench_mlp(fn, inputs, mode, device):
+    import triton.testing
+
+    x = inputs[0].detach().requires_grad_()
+    args = (x, *inputs[1:])
+    wrt = [t for t in args if t is not None and t.requires_grad]
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return fn(*args)
+        ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
+        return ms, None, None
+    dh = torch.randn(x.shape[0], inputs[1].shape[0], device=device, dtype=x.dtype)
+
+    def step():
+        return torch.autograd.grad(fn(*args), wrt, dh)
+
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn(*args)
+    saved = torch.cuda.memory_allocated(device) - base - out.numel() * out.element_size()
+    torch.autograd.grad(out, wrt, dh)
+    del out
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
+    return ms, peak, saved
+
+
+def bench_act_mul(fn, g, u, mode):
+    import triton.testing
+
+    g = g.detach().requires_grad_(mode == "full")
+    u = u.detach().requires_grad_(mode == "full")
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return fn(g, u)
+    else:
+        dh = torch.randn_like(g)
+
+        def step():
+            return torch.autograd.grad(fn(g, u), (g, u), dh)
+    return triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+
+
+def dry_run():
+    for lora in (False, True):
+        inputs = make_mlp_inputs(64, 96, 40, lora, "cpu")
+        inputs = [t.float() if t is not None else None for t in inputs]
+        err = (fastgrpo_mlp(*inputs) - eager_mlp(*inputs)).abs().max().item()
+        print(f"dry-run gated_mlp lora={lora}: max |fastgrpo - eager| = {err:.2e}")
+        assert err < 1e-4
+    g, u = torch.randn(2, 40, 96, 2).unbind(-1)
+    err = (act_mul(g, u) - F.silu(g) * u).abs().max().item()
+    print(f"dry-run act_mul: max |fastgrpo - eager| = {err:.2e}")
+    assert err < 1e-5
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
+    args = parser.parse_args()
+    if args.dry_run or not torch.cuda.is_available():
+        dry_run()
+        return
+    device = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 64
+    providers = {"fastgrpo": fastgrpo_mlp, "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
+    liger = liger_mlp_fn()
+    if liger is not None:
+        providers["liger"] = liger
+    rows = []
+    for name, (hidden, inter) in SHAPES.items():
+        for lora in (False, True):
+            inputs = make_mlp_inputs(hidden, inter, TOKENS, lora, device)
+            ref = eager_mlp(*[t.double() if t is not None else None for t in inputs]).float()
+            err = (fastgrpo_mlp(*inputs).float() - ref).abs().max().item()
+            flops_fwd, flops_bwd = mlp_flops(hidden, inter, TOKENS, lora)
+            for mode in ("fwd", "full"):
+                for provider, fn in providers.items():
+                    (ms, lo, hi), peak, saved = bench_mlp(fn, inputs, mode, device)
+                    flops = flops_fwd + (flops_bwd if mode == "full" else 0)
+                    rows.append(dict(op="gated_mlp", shape=name, variant="lora" if lora else "plain", mode=mode,
+                                     provider=provider, ms=ms, p20=lo, p80=hi, tflops=flops / ms / 1e9,
+                                     peak_mib=None if peak is None else peak / 2**20,
+                                     saved_mib=None if saved is None else saved / 2**20, max_abs_err_fwd=err))
+            del inputs
+        g = torch.randn(TOKENS, inter, device=device, dtype=torch.bfloat16)
+        u = torch.randn(TOKENS, inter, device=device, dtype=torch.bfloat16)
+        act_providers = {
+            "fastgrpo": lambda a, b: act_mul(a, b, "silu"),
+            "eager": lambda a, b: F.silu(a) * b,
+            "inductor": torch.compile(lambda a, b: F.silu(a) * b, dynamic=False),
+        }
+        if liger is not None:
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+            act_providers["liger"] = LigerSiLUMulFunction.apply
+        for mode in ("fwd", "full"):
+            n_bytes = g.numel() * g.element_size() * (3 if mode == "fwd" else 3 + 5)
+            for provider, fn in act_providers.items():
+                ms, lo, hi = bench_act_mul(fn, g, u, mode)
+                rows.append(dict(op="act_mul", shape=name, variant="silu", mode=mode, provider=provider,
+                                 ms=ms, p20=lo, p80=hi, gbps=n_bytes / ms / 1e6))
+    for r in rows:
+        fast = next(o for o in rows if o["provider"] == "fastgrpo" and all(
+            o[key] == r[key] for key in ("op", "shape", "variant", "mode")))
+        r["speedup_vs"] = r["ms"] / fast["ms"]  # >1: fastgrpo is faster than this provider
+    print(f"\nGated MLP, bf16, {TOKENS} tokens, {torch.cuda.get_device_name()}")
+    print("| op | shape | variant | mode | provider | ms (p20-p80) | TFLOP/s or GB/s | peak MiB | saved MiB | provider ms / fastgrpo ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rate = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['gbps']:.0f} GB/s"
+        peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+        saved = "" if r.get("saved_mib") is None else f"{r['saved_mib']:.0f}"
+        print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['mode']} | {r['provider']} | "
+              f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) | {rate} | {peak} | {saved} | {r['speedup_vs']:.2f} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_gated_mlp.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), tokens=TOKENS, rank=RANK, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Benchmark fastgrpo::rope against eager HF RoPE, inductor and Liger (bf16, GPU).
+
+    python bench/bench_rope.py            # H200: Qwen2.5-1.5B and Llama-8B head shapes, 32k tokens
+    python bench/bench_rope.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
+
+q and k are made the way HF makes them: [B, S, H, D] projections transposed to [B, H, S, D]
+(non-contiguous); cos/sin [B, 1, S, D] in bf16. Bytes counted once each: q and k read and
+written, cos and sin read. Liger rotates in place and takes cos/sin before the unsqueeze.
+Writes $OUT/bench_rope.json when OUT is set.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fastgrpo.kernels.rope import rope  # noqa: E402
+
+SHAPES = {  # name: (q heads, kv heads, head dim)
+    "qwen2.5-1.5b": (12, 2, 128),
+    "llama-8b": (32, 8, 128),
+}
+TOKENS = 32768
+BATCH = 8  # 8 completions of 4096 tokens, GRPO-like
+COPY_BANDWIDTH = 4.3e12  # device-to-device copy measured on the H200 (DESIGN.md §4)
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rope(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb after its unsqueeze."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def liger_rope_fn():
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError:
+        return None
+    # Liger takes cos/sin [B, S, D] and rotates q/k in place (values drift; timing does not).
+    return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos.squeeze(1), sin.squeeze(1))
+
+
+def make_inputs(n_q, n_kv, head_dim, batch, seq, device, dtype):
+    q = torch.randn(batch, seq, n_q, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, n_kv, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    pos = torch.arange(seq, device=device, dtype=torch.float32)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(dtype)[None, None].expand(batch, 1, seq, head_dim).contiguous()
+    sin = emb.sin().to(dtype)[None, None].expand(batch, 1, seq, head_dim).contiguous()
+    return q, k, cos, sin
+
+
+def bench(fn, q, k, cos, sin, mode, device):
+    """Median ms (p20, p80) and peak extra bytes for one mode: fwd, bwd or full."""
+    import triton.testing
+
+    q = q.detach().requires_grad_(mode != "fwd")
+    k = k.detach().requires_grad_(mode != "fwd")
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return fn(q, k, cos, sin)
+    elif mode == "bwd":
+        outs = fn(q, k, cos, sin)
+        grads = [torch.randn_like(o) for o in outs]
+
+        def step():
+            return torch.autograd.grad(outs, (q, k), grads, retain_graph=True)
+    else:
+        grads = None
+
+        def step():
+            nonlocal grads
+            outs = fn(q, k, cos, sin)
+            if grads is None:
+                grads = [torch.randn_like(o) for o in outs]
+            return torch.autograd.grad(outs, (q, k), grads)
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    # Replayed as a CUDA graph, the forward's time is the GPU's alone: at 32k tokens a RoPE kernel
+    # takes ~0.1 ms, less than a custom op's Python dispatch, so eager timings measure the host.
+    # (autograd.grad cannot be captured, so bwd/full have eager timings only.)
+    gpu_ms = None
+    if mode == "fwd":
+        try:
+            gpu_ms = triton.testing.do_bench_cudagraph(step)
+        except RuntimeError as e:  # a provider that cannot be captured keeps its eager timing only
+            print(f"CUDA-graph timing unavailable: {e}")
+    return ms, peak, gpu_ms
+
+
+def dry_run():
+    """CPU check of the harness pieces: inputs, reference and op agree on tiny shapes."""
+    for name, (n_q, n_kv, head_dim) in SHAPES.items():
+        q, k, cos, sin = make_inputs(n_q // 2, n_kv, 16, 2, 8, "cpu", torch.float32)
+        ref = hf_rope(q, k, cos, sin)
+        out = rope(q, k, cos, sin)
+        err = max((a - b).abs().max().item() for a, b in zip(out, ref))
+        print(f"dry-run {name}: max |fastgrpo - hf| = {err:.2e}")
+        assert err < 1e-5
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
+    args = parser.parse_args()
+    if args.dry_run or not torch.cuda.is_available():
+        dry_run()
+        return
+    device = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 64
+    providers = {"fastgrpo": rope, "eager": hf_rope, "inductor": torch.compile(hf_rope, dynamic=False)}
+    liger = liger_rope_fn()
+    if liger is not None:
+        providers["liger"] = liger
+    rows = []
+    for name, (n_q, n_kv, head_dim) in SHAPES.items():
+        q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
+        ref = hf_rope(q.float(), k.float(), cos.float(), sin.float())
+        out = rope(q, k, cos, sin)
+        err = max((a.float() - b).abs().max().item() for a, b in zip(out, ref))
+        moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
+        for mode in ("fwd", "bwd", "full"):
+            for provider, fn in providers.items():
+                (ms, lo, hi), peak, gpu_ms = bench(fn, q, k, cos, sin, mode, device)
+                n_bytes = moved * (2 if mode == "full" else 1)
+                rows.append(dict(shape=name, mode=mode, provider=provider, ms=ms, p20=lo, p80=hi,
+                                 gbps=n_bytes / ms / 1e6, peak_mib=peak / 2**20, max_err_fwd=err, gpu_ms=gpu_ms,
+                                 gpu_gbps=None if gpu_ms is None else n_bytes / gpu_ms / 1e6))
+    for r in rows:
+        same = [o for o in rows if o["shape"] == r["shape"] and o["mode"] == r["mode"]]
+        fast = next(o for o in same if o["provider"] == "fastgrpo")
+        r["speedup_vs"] = r["ms"] / fast["ms"]  # >1: fastgrpo is faster than this provider
+        if r["gpu_ms"] is not None and fast["gpu_ms"] is not None:
+            r["gpu_speedup_vs"] = r["gpu_ms"] / fast["gpu_ms"]
+            r["gpu_pct_of_copy_bw"] = 100 * r["gpu_gbps"] * 1e9 / COPY_BANDWIDTH
+    print(f"\nRoPE, bf16, {TOKENS} tokens (B={BATCH}), q/k transposed views, {torch.cuda.get_device_name()}")
+    print("| shape | mode | provider | eager ms (p20-p80) | GB/s | peak MiB | ms / fastgrpo ms | "
+          "CUDA-graph us | GB/s | % of 4.3 TB/s | us / fastgrpo us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        gpu = (f"{r['gpu_ms'] * 1e3:.1f} | {r['gpu_gbps']:.0f} | {r['gpu_pct_of_copy_bw']:.0f} | {r['gpu_speedup_vs']:.2f}"
+               if "gpu_speedup_vs" in r else " | | | ")
+        print(f"| {r['shape']} | {r['mode']} | {r['provider']} | {r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f}) | "
+              f"{r['gbps']:.0f} | {r['peak_mib']:.0f} | {r['speedup_vs']:.2f} | {gpu} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_rope.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), tokens=TOKENS, batch=BATCH, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

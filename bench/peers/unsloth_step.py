@@ -1,0 +1,225 @@
+"""Unsloth's GRPO policy-loss training step on the anchor workload of DESIGN.md §4 (the peer to beat).
+
+Same workload as bench/grpo_step.py: Qwen2.5-1.5B shape with random bf16 weights, LoRA r=16 on
+q,k,v,o,gate,up,down, G=8 completions of a 256-token prompt, TRL's "grpo" loss (per-sequence mean)
+with beta=0. Unsloth's own way: FastLanguageModel + get_peft_model(use_gradient_checkpointing=
+"unsloth") and the GRPOTrainer Unsloth generates from TRL's (use_vllm=False). Timed:
+trainer.training_step(model, batch, None) on one fixed batch shaped like the dict that Unsloth's
+_generate_and_score_completions hands to compute_loss; the rollout is skipped (_prepare_inputs
+returns the batch as is). Median of --repeat after --warmup steps, CUDA-synchronised wall time;
+peak memory of the timed steps (reset after warm-up, like grpo_step.py). One "RESULT {json}" line
+per completion length on stdout, also appended to $OUT/unsloth_step.jsonl when OUT is set.
+
+Unsloth reads a checkpoint directory, so a random one (weights + a WordLevel tokenizer of the full
+vocabulary) is written to a temporary directory first. Needs CUDA (Unsloth's model loader does);
+--tiny (2 layers, vocab 512) is a quick check of the plumbing.
+
+    python bench/peers/unsloth_step.py 1024 4096 16384
+"""
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+for _key, _value in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                         UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_cache",
+                         HF_HOME="/tmp/hf_home").items():
+    os.environ.setdefault(_key, _value)  # no network on the device: every load must stay local
+
+import torch
+
+PROMPT, GROUP, LORA_RANK = 256, 8, 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def emit(record: dict) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "unsloth_step.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def special_ids(vocab: int) -> dict:
+    """Qwen2.5's ids for a full vocabulary: pad <|endoftext|> 151643, eos <|im_end|> 151645."""
+    return {"<|endoftext|>": vocab - 293, "<|im_end|>": vocab - 291, "<unk>": vocab - 290}
+
+
+def write_checkpoint(path: str, max_len: int, tiny: bool, device: str) -> int:
+    """Random-weight Qwen2 checkpoint plus a tokenizer whose vocabulary is exactly the embedding size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    shape = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2)
+    if tiny:
+        shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)
+    specials = special_ids(shape["vocab_size"])
+    config = Qwen2Config(**shape, max_position_embeddings=max(32768, max_len), rope_theta=1e6,
+                         tie_word_embeddings=True, use_cache=False, torch_dtype="bfloat16",
+                         pad_token_id=specials["<|endoftext|>"], eos_token_id=specials["<|im_end|>"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    names = {i: t for t, i in specials.items()}
+    vocab = {names.get(i, f"t{i}"): i for i in range(config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", unk_token="<unk>", model_max_length=max_len)
+    tokenizer.save_pretrained(path)
+    return config.vocab_size
+
+
+def build_trainer(path: str, max_len: int, max_completion: int, on_gpu: bool):
+    from unsloth import FastLanguageModel  # must precede transformers/trl/peft so its patches apply
+    import trl
+    from datasets import Dataset
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=path, max_seq_length=max_len, dtype=torch.bfloat16, load_in_4bit=False, load_in_8bit=False,
+        full_finetuning=False, fast_inference=False, use_exact_model_name=True, local_files_only=True,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model, r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0, bias="none", target_modules=TARGETS,
+        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=max_len,
+    )
+    if not trl.GRPOTrainer.__name__.startswith("Unsloth"):  # its import-time rewrite failed: say so, time nothing
+        raise RuntimeError(f"trl.GRPOTrainer is {trl.GRPOTrainer.__module__}.{trl.GRPOTrainer.__name__}, not Unsloth's")
+
+    def zero_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = trl.GRPOConfig(
+        output_dir=os.path.join(path, "trainer"), per_device_train_batch_size=GROUP, num_generations=GROUP,
+        gradient_accumulation_steps=1, max_completion_length=max_completion, loss_type="grpo", beta=0.0,
+        use_vllm=False, bf16=on_gpu, report_to="none", save_strategy="no", logging_steps=1, max_steps=1,
+    )
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[zero_reward], args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": ["t1 t2 t3"] * (2 * GROUP)}))
+    # What train() does before its first step: the constructor leaves the model in inference mode,
+    # and the loop sets the accumulation window that training_step reads.
+    use_gc = getattr(trainer.model, "_unsloth_gradient_checkpointing", "unsloth")
+    trainer.model.for_training(use_gradient_checkpointing=use_gc)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._prepare_inputs = lambda batch: batch  # the batch below stands in for a finished rollout
+    return trainer
+
+
+def make_batch(completion: int, vocab: int, pad_id: int, device) -> dict:
+    """The dict Unsloth's _generate_and_score_completions returns with beta=0 and one iteration:
+    no old/ref log-probs, max_left_pad per row. Token ids avoid pad_id: Unsloth drops pad tokens."""
+    first_special = min(special_ids(vocab).values())
+    if pad_id < first_special:
+        raise ValueError(f"pad_token_id {pad_id} is not the checkpoint's <|endoftext|> ({first_special})")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, first_special, (GROUP, PROMPT + completion), generator=gen).to(device)
+    completion_mask = torch.ones(GROUP, completion, dtype=torch.int32, device=device)
+    return {
+        "prompt_ids": ids[:, :PROMPT], "prompt_mask": torch.ones(GROUP, PROMPT, dtype=torch.int64, device=device),
+        "completion_ids": ids[:, PROMPT:], "completion_mask": completion_mask,
+        "advantages": torch.randn(GROUP, generator=gen).to(device), "num_items_in_batch": completion_mask.sum(),
+        "max_left_pad": torch.zeros(GROUP, 1, dtype=torch.int64), "sampling_per_token_logps": None,
+    }
+
+
+def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, repeat: int, extra: dict) -> dict:
+    result = {"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
+              "tokens_per_s": None, "error": None, **extra}
+    model = trainer.model
+    on_gpu = torch.cuda.is_available()
+    try:
+        batch = make_batch(completion, vocab, pad_id, model.get_input_embeddings().weight.device)
+        for _ in range(warmup):
+            trainer.training_step(model, dict(batch), None)
+            model.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            loss = trainer.training_step(model, dict(batch), None)
+            if on_gpu:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            model.zero_grad(set_to_none=True)
+        median = statistics.median(times)
+        unwrapped = trainer.accelerator.unwrap_model(model)
+        result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
+                      tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3), loss=float(loss),
+                      # Unsloth silently falls back to a padded [G, P+C] forward when its packed one fails its check
+                      seq_packing=bool(getattr(unwrapped, "_unsloth_seq_packing_grad_ok", False)
+                                       and getattr(unwrapped, "_unsloth_seq_packing_grad_verified_T", 0)
+                                       >= GROUP * (PROMPT + completion)))
+        if on_gpu:
+            result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    except torch.OutOfMemoryError:
+        result["error"] = "OOM"
+    except Exception as err:  # one failing length must not hide the others' numbers
+        traceback.print_exc()
+        oom = "out of memory" in str(err).lower()  # an OOM re-raised under another type by Unsloth's fallbacks
+        result["error"] = "OOM" if oom else f"{type(err).__name__}: {str(err)[:300]}"
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("completions", nargs="*", default=["1024", "4096", "16384"],
+                        help="completion lengths (spaces or commas)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true",
+                        help="2-layer model, vocab 512: a quick check of the plumbing (still needs CUDA)")
+    args = parser.parse_args()
+    completions = [int(c) for arg in args.completions for c in arg.split(",") if c]
+    on_gpu = torch.cuda.is_available()
+    max_len = PROMPT + max(completions)
+    workdir = tempfile.mkdtemp(prefix="unsloth_step_", dir="/tmp")
+    extra = {"prompt": PROMPT, "group": GROUP}
+    try:
+        started = time.perf_counter()
+        import unsloth  # noqa: F401  (first, so that it patches transformers/trl/peft before they load)
+        import unsloth_zoo
+
+        extra["versions"] = (f"unsloth {unsloth.__version__}, unsloth_zoo {unsloth_zoo.__version__}, "
+                             f"torch {torch.__version__}")
+        vocab = write_checkpoint(workdir, max_len, args.tiny, "cuda" if on_gpu else "cpu")
+        gc.collect()  # the checkpoint's model must not stay resident and count in every peak below
+        if on_gpu:
+            torch.cuda.empty_cache()
+        trainer = build_trainer(workdir, max_len, max(completions), on_gpu)
+        extra["trainer_class"] = type(trainer).__name__
+        if on_gpu:  # weights + LoRA + optimizer-free trainer state: the floor under every peak_gib
+            extra["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        print(f"unsloth_step: setup {time.perf_counter() - started:.0f} s, {extra}", file=sys.stderr, flush=True)
+    except Exception as err:
+        traceback.print_exc()
+        for completion in completions:
+            emit({"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
+                  "tokens_per_s": None, "error": f"setup failed: {type(err).__name__}: {str(err)[:300]}", **extra})
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 1
+    for completion in completions:
+        started = time.perf_counter()
+        pad_id = trainer.processing_class.pad_token_id
+        emit(run_setting(trainer, completion, vocab, pad_id, args.warmup, args.repeat, extra))
+        print(f"unsloth_step: completion {completion} took {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""fastgrpo::gated_mlp and fastgrpo::act_mul against float64 references, HF modules and PEFT
+(torch path and Triton path)."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.kernels._dispatch import triton_on_cpu
+from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Relative to the largest reference magnitude. Low-precision results round g and u to the base
+# dtype before the activation, as HF + PEFT do; a missing scale, sign or factor is off by O(1).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+ACTIVATIONS = ["silu", "gelu_tanh"]
+# The Triton interpreter evaluates sigmoid's exp(-x) in numpy, which warns on overflow to inf (harmless).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def path_ctx(path):
+    """"torch": CPU torch implementation; "triton": Triton kernels through the interpreter on CPU
+    tensors; "cuda": CUDA tensors (Triton kernels compiled for the GPU)."""
+    return triton_on_cpu() if path == "triton" else contextlib.nullcontext()
+
+
+def act64(t, activation):
+    return F.silu(t) if activation == "silu" else F.gelu(t, approximate="tanh")
+
+
+class _RoundGrad(torch.autograd.Function):
+    """Identity whose backward rounds the gradient to `dtype`."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).double(), None
+
+
+def rounded(t, dtype):
+    """float64 t rounded to `dtype` as the base model stores it, and its gradient rounded the same
+    way (HF + PEFT keep g, u and their gradients in the model's dtype)."""
+    return _RoundGrad.apply(t + (t.to(dtype).double() - t).detach(), dtype)
+
+
+def ref_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, scale, activation, dtype, lora_dtype):
+    """HF + PEFT in float64, rounding each intermediate PEFT materialises (and its gradient) to the
+    dtype PEFT holds it in; only the op's own fp32 accumulation and final rounding then differ."""
+
+    def proj(w, a, b):
+        y = rounded(x @ w.T, dtype)
+        if a is not None:
+            xa = rounded(x @ a.T, lora_dtype)
+            y = y + rounded(rounded(xa @ b.T, lora_dtype) * scale, lora_dtype)
+        return rounded(y, dtype)
+
+    return act64(proj(w_gate, ga, gb), activation) * proj(w_up, ua, ub)
+
+
+def assert_close(actual, expected, dtype, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    scale = max(expected.double().abs().max().item() if expected.numel() else 0.0, 1e-3)
+    assert err <= TOL[dtype] * scale, f"{what}: max abs err {err:.3e} > {TOL[dtype]} * {scale:.3e}"
+
+
+def make_mlp(c, device="cpu"):
+    """Inputs for one case: x (possibly a non-contiguous view), weights (possibly row slices of a
+    fused gate_up weight), LoRA factors per the case's layout."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    dtype, hidden, inter, rank = c["dtype"], c["hidden"], c["inter"], c["rank"]
+    lora_dtype = torch.float32 if c["fp32_adapters"] else dtype
+
+    def rand(*shape, std=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * std).to(dt).to(device)
+
+    rows = c["rows"]
+    if c["x_transposed"]:
+        x = rand(hidden, rows, 2).transpose(0, 1)[..., 0]  # [rows, hidden] with strides (2, 2 * rows)
+        x = x.reshape(1, rows, hidden) if c["x_3d"] else x
+    else:
+        x = rand(1, rows, hidden) if c["x_3d"] else rand(rows, hidden)
+    w_std = hidden**-0.5
+    if c["fused"]:
+        w_gate_up = rand(2 * inter, hidden, std=w_std)
+        w_gate, w_up = w_gate_up[:inter], w_gate_up[inter:]
+        leaves = [w_gate_up]
+    else:
+        w_gate, w_up = rand(inter, hidden, std=w_std), rand(inter, hidden, std=w_std)
+        leaves = [w_gate, w_up]
+    ga = gb = ua = ub = None
+    lora = c["lora"]
+    if lora in ("gate", "both", "shared_a"):
+        ga, gb = rand(rank, hidden, std=w_std, dt=lora_dtype), rand(inter, rank, std=0.5, dt=lora_dtype)
+    if lora in ("up", "both"):
+        ua, ub = rand(rank, hidden, std=w_std, dt=lora_dtype), rand(inter, rank, std=0.5, dt=lora_dtype)
+    if lora == "shared_a":  # LoRA on a fused gate_up_proj: one A, B split by rows
+        b = rand(2 * inter, rank, std=0.5, dt=lora_dtype)
+        gb, ua, ub = b[:inter], ga, b[inter:]
+    return x, w_gate, w_up, leaves, (ga, gb, ua, ub)
+
+
+def check_mlp(c, path, device="cpu"):
+    x, w_gate, w_up, weight_leaves, factors = make_mlp(c, device)
+    dtype = c["dtype"]
+    scale, activation = c["scale"], c["activation"]
+    x = x.detach().requires_grad_(c["x_grad"])
+    for w in weight_leaves:
+        w.requires_grad_(c["train_base"])
+    lora_leaves = []
+    for f in factors:
+        if f is not None and f._base is None and not any(f is t for t in lora_leaves):
+            lora_leaves.append(f.requires_grad_())
+    if c["lora"] == "shared_a":
+        b_full = factors[1]._base.requires_grad_()
+        factors = (factors[0], b_full[: c["inter"]], factors[0], b_full[c["inter"]:])
+        lora_leaves.append(b_full)
+    leaves = ([x] if c["x_grad"] else []) + (weight_leaves if c["train_base"] else []) + lora_leaves
+    if c["fused"]:
+        w_gate, w_up = weight_leaves[0][: c["inter"]], weight_leaves[0][c["inter"]:]
+    else:
+        w_gate, w_up = weight_leaves
+    with path_ctx(path):
+        h = gated_mlp(x, w_gate, w_up, *factors, scale, activation)
+    assert h.dtype == dtype and h.shape == (*x.shape[:-1], c["inter"]) and h.is_contiguous()
+
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    sub = {id(t): t64 for t, t64 in zip(leaves, leaves64)}
+
+    def to64(t):
+        if t is None:
+            return None
+        if id(t) in sub:
+            return sub[id(t)]
+        if t._base is not None and id(t._base) in sub:  # row slice of a fused leaf
+            base64 = sub[id(t._base)]
+            return base64.as_strided(t.shape, t.stride(), t.storage_offset() - t._base.storage_offset())
+        return t.detach().double()
+
+    lora_dtype = torch.float32 if c["fp32_adapters"] else dtype
+    ref = ref_gated_mlp(to64(x), to64(w_gate), to64(w_up), *(to64(f) for f in factors), scale, activation, dtype,
+                        lora_dtype)
+    assert_close(h, ref, dtype, "h")
+    if not leaves:
+        return
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    dh = torch.randn(*reversed(h.shape), generator=gen).to(dtype).to(device).permute(*reversed(range(h.dim())))
+    with path_ctx(path):
+        grads = torch.autograd.grad(h, leaves, dh)
+    grads64 = torch.autograd.grad(ref, leaves64, dh.double())
+    for leaf, got, want in zip(leaves, grads, grads64):
+        assert got.dtype == leaf.dtype
+        assert_close(got, want, dtype, f"grad of {tuple(leaf.shape)} {leaf.dtype}")
+
+
+mlp_case = st.fixed_dictionaries(dict(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 70),
+    hidden=st.integers(1, 33),
+    inter=st.integers(1, 45),
+    rank=st.integers(1, 9),
+    dtype=st.sampled_from(DTYPES),
+    fp32_adapters=st.booleans(),
+    lora=st.sampled_from(["none", "gate", "up", "both", "shared_a"]),
+    fused=st.booleans(),
+    x_transposed=st.booleans(),
+    x_3d=st.booleans(),
+    x_grad=st.booleans(),
+    train_base=st.booleans(),
+    scale=st.sampled_from([0.5, 2.0]),
+    activation=st.sampled_from(ACTIVATIONS),
+))
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=mlp_case)
+def test_gated_mlp_torch_path(c):
+    check_mlp(c, "torch")
+
+
+@settings(max_examples=25, deadline=None)
+@given(c=mlp_case)
+def test_gated_mlp_triton_path(c):
+    check_mlp(c, "triton")
+
+
+def check_act_mul(gate, up, activation, path):
+    gate = gate.detach().requires_grad_()
+    up = up.detach().requires_grad_()
+    with path_ctx(path):
+        h = act_mul(gate, up, activation)
+    out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    assert h.dtype == out_dtype and h.shape == gate.shape and h.is_contiguous()
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    ref = act64(g64, activation) * u64
+    assert_close(h, ref, out_dtype, "h")
+    dh = torch.randn(*reversed(h.shape)).to(out_dtype).to(h.device).permute(*reversed(range(h.dim())))
+    with path_ctx(path):
+        d_gate, d_up = torch.autograd.grad(h, (gate, up), dh)
+    ref_gate, ref_up = torch.autograd.grad(ref, (g64, u64), dh.double())
+    assert d_gate.dtype == gate.dtype and d_up.dtype == up.dtype
+    assert_close(d_gate, ref_gate, gate.dtype, "d_gate")
+    assert_close(d_up, ref_up, up.dtype, "d_up")
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), width=st.integers(1, 150), dtype=st.sampled_from(DTYPES),
+       activation=st.sampled_from(ACTIVATIONS), chunked=st.booleans(), path=st.sampled_from(["torch", "triton"]))
+def test_act_mul(rows, width, dtype, activation, chunked, path):
+    if chunked:  # Phi3: gate_up_proj(x).chunk(2, dim=-1), two views with row stride 2I
+        gate, up = (torch.randn(2, rows, 2 * width) * 3).to(dtype).chunk(2, dim=-1)
+    else:
+        gate, up = (torch.randn(2, 2, rows, width) * 3).to(dtype).unbind(0)
+    check_act_mul(gate, up, activation, path)
+
+
+def test_act_mul_mixed_dtypes():
+    gate = torch.randn(5, 7).to(torch.bfloat16)
+    up = torch.randn(5, 7)
+    check_act_mul(gate, up, "silu", "torch")
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_matches_hf_modules_in_bf16(path):
+    """Literal transformers modules in bf16: LlamaMLP (silu) and GemmaMLP (gelu_pytorch_tanh),
+    output of act_fn(gate_proj(x)) * up_proj(x) taken at down_proj's input."""
+    from transformers import GemmaConfig, LlamaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    configs = [(LlamaMLP, LlamaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4, hidden_act="silu"), "silu"),
+               (GemmaMLP, GemmaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4,
+                                            hidden_act="gelu_pytorch_tanh"),
+                "gelu_tanh")]
+    for cls, config, activation in configs:
+        mlp = cls(config).to(torch.bfloat16)
+        x = torch.randn(3, 11, 48).to(torch.bfloat16)
+        captured = {}
+        mlp.down_proj.register_forward_pre_hook(lambda m, args: captured.update(h=args[0]))
+        mlp(x)
+        with path_ctx(path):
+            h = gated_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, activation=activation)
+        assert_close(h, captured["h"], torch.bfloat16, cls.__name__)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_matches_peft_lora_fp32_adapters_on_bf16(path):
+    """PEFT LoRA (fp32 adapters, bf16 base, r=4, alpha=8) on gate_proj and up_proj: forward
+    and the gradients of x and of every LoRA factor, against PEFT's own autograd in bf16."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(1)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=40, intermediate_size=72, num_attention_heads=4, hidden_act="silu")).to(torch.bfloat16)
+    model = get_peft_model(mlp, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj"]))
+    layers = [model.base_model.model.gate_proj, model.base_model.model.up_proj]
+    for layer in layers:
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.3)
+    factors = [t for layer in layers for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+    assert all(t.dtype == torch.float32 for t in factors)
+    scale = layers[0].scaling["default"]
+    x = torch.randn(2, 9, 40).to(torch.bfloat16).requires_grad_()
+    captured = {}
+    model.base_model.model.down_proj.register_forward_pre_hook(lambda m, args: captured.update(h=args[0]))
+    model(x)
+    h_peft = captured["h"]
+    dh = torch.randn_like(h_peft)
+    grads_peft = torch.autograd.grad(h_peft, [x, *factors], dh)
+    with path_ctx(path):
+        h = gated_mlp(x, layers[0].base_layer.weight, layers[1].base_layer.weight, *factors, scale, "silu")
+        grads = torch.autograd.grad(h, [x, *factors], dh)
+    assert_close(h, h_peft, torch.bfloat16, "h vs PEFT")
+    for name, got, want in zip(["x", "gate A", "gate B", "up A", "up B"], grads, grads_peft):
+        assert got.dtype == want.dtype
+        assert_close(got, want, torch.bfloat16, f"d{name} vs PEFT")
+
+
+def _saved(fn, *args):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_gated_mlp_saves_only_x_and_references(path):
+    rows, hidden, inter, rank = 64, 24, 96, 4
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w_gate_up = torch.randn(2 * inter, hidden, dtype=torch.bfloat16)
+    factors = [torch.randn(rank, hidden, requires_grad=True), torch.randn(inter, rank, requires_grad=True),
+               torch.randn(rank, hidden, requires_grad=True), torch.randn(inter, rank, requires_grad=True)]
+    inputs = [x, w_gate_up[:inter], w_gate_up[inter:], *factors]
+    with path_ctx(path):
+        h, saved = _saved(gated_mlp, *inputs, 2.0)
+    # Everything saved is an input tensor itself (no copy, no new allocation) ...
+    assert all(any(t.data_ptr() == i.data_ptr() and t.shape == i.shape for i in inputs) for t in saved)
+    # ... and no saved tensor has a [tokens x intermediate] footprint.
+    assert not any(t.numel() >= rows * inter for t in saved)
+    activation_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() == x.data_ptr())
+    assert activation_bytes == x.numel() * x.element_size()
+
+
+def test_act_mul_saves_gate_and_up():
+    gate, up = torch.randn(2, 6, 10, requires_grad=True).unbind(0)
+    _, saved = _saved(act_mul, gate, up)
+    assert [(t.data_ptr(), t.shape) for t in saved] == [(gate.data_ptr(), gate.shape), (up.data_ptr(), up.shape)]
+
+
+def test_gated_mlp_errors():
+    x = torch.randn(3, 8)
+    w = torch.randn(5, 8)
+    a, b = torch.randn(2, 8), torch.randn(5, 2)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        gated_mlp(x, w, w, activation="relu")
+    with pytest.raises(ValueError, match="needs both A and B"):
+        gated_mlp(x, w, w, a, None)
+    with pytest.raises(ValueError, match="must be A"):
+        gated_mlp(x, w, w, a, b.t())
+    with pytest.raises(ValueError, match="must have x's dtype"):
+        gated_mlp(x, w.to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="must both be"):
+        gated_mlp(x, w, w[:4])
+    with pytest.raises(TypeError, match="supports float32"):
+        gated_mlp(x.double(), w.double(), w.double())
+    with pytest.raises(ValueError, match="must match in shape"):
+        act_mul(x, x[:2])
+
+
+def test_opcheck():
+    x = torch.randn(8, 3, 12).transpose(0, 1)  # non-contiguous [3, 8, 12]
+    w_gate_up = torch.randn(20, 12)
+    w_gate, w_up = w_gate_up[:10], w_gate_up[10:]
+    a, b = torch.randn(2, 12, requires_grad=True), torch.randn(10, 2, requires_grad=True)
+    xg = x.detach().requires_grad_()
+    op = torch.ops.fastgrpo
+    torch.library.opcheck(op.gated_mlp, (xg, w_gate, w_up, None, None, None, None, 1.0, "silu"))
+    torch.library.opcheck(op.gated_mlp, (xg, w_gate, w_up, a, b, a, b.detach(), 0.5, "gelu_tanh"))
+    dh = torch.randn(10, 3, 8).permute(1, 2, 0)
+    torch.library.opcheck(op.gated_mlp_backward,
+                          (dh, x, w_gate, w_up, a.detach(), b.detach(), None, None, 0.5, "silu", [True, False, True, True, True, False, False]))
+    gate, up = torch.randn(6, 2, 14).chunk(2, dim=-1)
+    torch.library.opcheck(op.act_mul, (gate.requires_grad_(), up, "silu"))
+    torch.library.opcheck(op.act_mul_backward, (torch.randn(7, 2, 6).permute(2, 1, 0), gate.detach(), up, "gelu_tanh"))
+
+
+def test_gated_mlp_under_torch_compile():
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    w_gate, w_up = torch.randn(2, 16, 12).unbind(0)
+    a, b = torch.randn(3, 12, requires_grad=True), torch.randn(16, 3, requires_grad=True)
+
+    def f(x, a, b):
+        return (gated_mlp(x, w_gate, w_up, a, b, None, None, 2.0) ** 2).sum()
+
+    eager = torch.autograd.grad(f(x, a, b), (x, a, b))
+    compiled = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x, a, b), (x, a, b))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(c=mlp_case)
+def test_gated_mlp_cuda(c):
+    check_mlp(c, "cuda", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", ["none", "both", "shared_a"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_mlp_cuda_large(lora, activation):
+    """Shapes that use several row blocks, column splits and LoRA ranks past one tile."""
+    c = dict(seed=5, rows=700, hidden=256, inter=1300, rank=16, dtype=torch.bfloat16, fp32_adapters=True,
+             lora=lora, fused=lora != "both", x_transposed=False, x_3d=True, x_grad=True, train_base=lora == "none",
+             scale=2.0, activation=activation)
+    check_mlp(c, "cuda", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_act_mul_cuda(dtype):
+    gate, up = (torch.randn(2, 300, 2 * 1000, device="cuda") * 3).to(dtype).chunk(2, dim=-1)
+    check_act_mul(gate, up, "silu", "cuda")
+    check_act_mul(gate, up, "gelu_tanh", "cuda")
