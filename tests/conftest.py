@@ -11,6 +11,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI must be reproducible: the same examples every run (a new failure shows up as a code change,
+# not as luck). Run with HYPOTHESIS_PROFILE=explore for fresh random examples.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
