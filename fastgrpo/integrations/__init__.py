@@ -1,0 +1,1 @@
+"""GRPO integrations: TRL trainer wiring, the embedded generator, the main job."""

@@ -1,0 +1,337 @@
+"""fastgrpo's TRL GRPOTrainer against stock TRL, on a tiny random-init Qwen2 (CPU; two `gpu` tests on CUDA).
+
+One pytest process: importing TRL's GRPO trainer costs ~15 s (it imports vLLM), so everything here shares it.
+On CPU the decoder is compiled with the fastgrpo backend handing off to aot_eager (inductor's cold compile is
+~25 s); the GPU tests use the backend's defaults.
+"""
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from trl.trainer.grpo_config import GRPOConfig as StockGRPOConfig
+from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
+
+import fastgrpo.integrations.trl as F
+from fastgrpo.integrations.precision import resolve_precision
+
+VOCAB = 1024
+COMPILE_OPTIONS = {"inner": "aot_eager"}
+PROMPTS = ["hello world", "count to ten"]
+GROUP = 4  # num_generations
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def low_id_fraction(completion_ids, **kwargs):
+    """A reward that varies within every group: the fraction of completion tokens in the lower half of the vocabulary."""
+    return [sum(t < VOCAB // 2 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        PROMPTS + ["the quick brown fox jumps", "a b c d e f g"],
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    # Pad to exactly the model's vocabulary so any sampled id decodes.
+    tok.add_tokens([f"<x{i}>" for i in range(VOCAB - tok.get_vocab_size())])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_model(tokenizer, seed=0, initializer_range=0.02):
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, initializer_range=initializer_range,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def common_args(tmp_path, **overrides):
+    args = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(PROMPTS) * GROUP, num_generations=GROUP,
+        max_completion_length=6, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+    )
+    args.update(overrides)
+    return args
+
+
+def set_params(model, seed, scale, only_lora):
+    """Deterministic parameter values, the same for two models of the same structure."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if only_lora and "lora_" not in name:
+                continue
+            noise = (torch.randn(param.shape, generator=generator) * scale).to(param.device)
+            param.copy_(noise if only_lora else param + noise)
+
+
+# Fixed completions of varying lengths; some end with EOS, some are cut at max_completion_length.
+def fixed_completions(eos):
+    base = [[5, 700, 12], [900, 901, eos], [40, 41, 42, 43, 44, 45], [600, eos], [3, 4, 5, 6, 7, 8], [800, 20, 30, eos],
+            [1000], [50, 600, 51, 601, eos]]
+    return base
+
+
+def make_inputs(trainer, eos):
+    """Run TRL's `_generate_and_score_completions` with generation replaced by fixed completion ids."""
+    completions = fixed_completions(eos)
+    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: ([list(c) for c in completions], None)
+    rows = [{"prompt": p} for p in PROMPTS for _ in range(GROUP)]
+    trainer.model.train()
+    return trainer._generate_and_score_completions(rows)
+
+
+def loss_and_grads(trainer, inputs, named):
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in named(trainer.model) if p.requires_grad}
+
+
+def lora_params(model):
+    return sorted((n, p) for n, p in model.named_parameters() if "lora_" in n)
+
+
+def compiled_graphs(run) -> int:
+    torch._dynamo.utils.counters.clear()
+    run()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def build_pair(tokenizer, tmp, compile_options, **device_args):
+    """A stock TRL trainer and a fastgrpo trainer over the same tiny LoRA model; loss_type and beta are set per check."""
+    # num_iterations=2 makes TRL compute the old policy's log-probs (steps are not aligned with generation).
+    shared = dict(num_iterations=2, beta=0.04, gradient_checkpointing=True, **device_args)
+    stock = StockGRPOTrainer(
+        model=tiny_model(tokenizer), reward_funcs=low_id_fraction, args=StockGRPOConfig(**common_args(tmp, bf16=False, **shared)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer, peft_config=LoraConfig(**LORA),
+    )
+    ours = F.GRPOTrainer(
+        model=tiny_model(tokenizer), reward_funcs=low_id_fraction,
+        # Uneven mini-batches (3+3+2 rows) and token chunks: the results must not depend on the split.
+        args=F.GRPOConfig(**common_args(
+            tmp, fastgrpo_compile_options=compile_options, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5,
+            bf16=False, **shared,
+        )),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer, peft_config=LoraConfig(**LORA),
+    )
+    for trainer in (stock, ours):
+        # Trainer turns checkpointing on in train(); do it here so the compiled decoder sees it.
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return stock, ours
+
+
+def check_matches_stock(pair, tokenizer, loss_type, beta, rtol):
+    """Old-policy and reference log-probs, entropy, loss and every LoRA gradient equal stock TRL's."""
+    results = []
+    for trainer in pair:
+        trainer.loss_type, trainer.beta = loss_type, beta
+        set_params(trainer.model, seed=1, scale=0.3, only_lora=True)  # the policy that sampled: adapters on
+        inputs = make_inputs(trainer, tokenizer.eos_token_id)
+        set_params(trainer.model, seed=2, scale=0.3, only_lora=True)  # the policy being updated: ratios far from 1
+        loss, grads = loss_and_grads(trainer, inputs, lora_params)
+        results.append((inputs, loss, grads, dict(trainer._metrics["train"])))
+        trainer._metrics["train"].clear()
+    (stock_inputs, stock_loss, stock_grads, stock_metrics), (inputs, loss, grads, metrics) = results
+
+    mask = inputs["completion_mask"].bool()
+    close = dict(rtol=rtol, atol=rtol * 1e-2)
+    torch.testing.assert_close(inputs["old_per_token_logps"][mask], stock_inputs["old_per_token_logps"][mask], **close)
+    if beta:
+        ref, stock_ref = inputs["ref_per_token_logps"], stock_inputs["ref_per_token_logps"]
+        torch.testing.assert_close(ref[mask], stock_ref[mask], **close)
+        # The reference is the base model (adapters disabled), not the policy.
+        assert (ref - inputs["old_per_token_logps"])[mask].abs().max() > 1e-2
+    # The case must exercise clipping, or the clipped branch of the loss would go unchecked.
+    assert stock_metrics["clip_ratio/region_mean"][0] > 0
+    torch.testing.assert_close(metrics["entropy"], stock_metrics["entropy"], **close)
+    torch.testing.assert_close(loss, stock_loss, **close)
+    assert grads.keys() == stock_grads.keys() and len(grads) == 2 * 7 * 2
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, stock_grads[name], rtol=10 * rtol, atol=rtol * 1e-2, msg=name)
+
+
+@pytest.fixture(scope="module")
+def peft_pair(tokenizer, tmp_path_factory):
+    """`build_pair` on CPU, plus how many graphs Dynamo compiled for fastgrpo's decoder in a first rollout without a
+    reference (the policy's no-grad pass), then with one (adapters disabled), then in three more rollouts."""
+    stock, ours = build_pair(tokenizer, tmp_path_factory.mktemp("peft_pair"), COMPILE_OPTIONS, use_cpu=True)
+
+    def rollout(beta):
+        ours.beta = beta
+        return lambda: make_inputs(ours, tokenizer.eos_token_id)
+
+    graphs = {
+        "policy": compiled_graphs(rollout(0.0)),
+        "adapters_disabled": compiled_graphs(rollout(0.04)),
+        "again": compiled_graphs(lambda: [rollout(beta)() for beta in (0.0, 0.04, 0.04)]),
+    }
+    return (stock, ours), graphs
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+def test_loss_and_lora_grads_match_stock_trl(peft_pair, tokenizer, loss_type, beta):
+    check_matches_stock(peft_pair[0], tokenizer, loss_type, beta, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matches_stock_trl(tokenizer, tmp_path):
+    # fastgrpo's default backend options (inductor) and its Triton op against TRL's CUDA fused head, in fp32.
+    pair = build_pair(tokenizer, tmp_path, None, use_cpu=False)
+    for loss_type, beta in [("dapo", 0.04), ("grpo", 0.0), ("bnpo", 0.04)]:
+        check_matches_stock(pair, tokenizer, loss_type, beta, rtol=1e-4)
+
+
+def test_adapters_disabled_reference_recompiles_at_most_once(peft_pair):
+    # One graph for the policy; switching the LoRA adapters off for the reference compiles exactly one more (their
+    # `_disable_adapters` flag is guarded); after that, rollouts of any kind reuse them. This also checks that
+    # TRL's checkpointing toggles no longer add embedding hooks (each new hook would recompile the decoder).
+    assert peft_pair[1] == {"policy": 1, "adapters_disabled": 1, "again": 0}
+
+
+def test_full_finetune_reference_copy_matches_stock_trl(tokenizer, tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    shared = dict(num_iterations=2, beta=0.04, loss_type="dapo", gradient_checkpointing=False)
+    # The decoder runs uncompiled here (fastgrpo_compile=False): compiling is covered by the LoRA tests, and this
+    # one is about the head on the separately loaded reference model.
+    stock = StockGRPOTrainer(
+        model=str(model_dir), reward_funcs=low_id_fraction, args=StockGRPOConfig(**common_args(tmp_path, bf16=False, **shared)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+    )
+    ours = F.GRPOTrainer(
+        model=str(model_dir), reward_funcs=low_id_fraction,
+        args=F.GRPOConfig(**common_args(tmp_path, fastgrpo_compile=False, **shared)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+    )
+    results = []
+    for trainer in (stock, ours):
+        assert trainer.ref_model is not None
+        set_params(trainer.model, seed=3, scale=0.05, only_lora=False)
+        inputs = make_inputs(trainer, tokenizer.eos_token_id)
+        results.append((inputs, *loss_and_grads(trainer, inputs, lambda m: sorted(m.named_parameters()))))
+    (stock_inputs, stock_loss, stock_grads), (inputs, loss, grads) = results
+    mask = inputs["completion_mask"].bool()
+    torch.testing.assert_close(inputs["ref_per_token_logps"][mask], stock_inputs["ref_per_token_logps"][mask])
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def train_on_learnable_reward(tokenizer, tmp_path, steps, **config):
+    """Train a LoRA on a reward the tiny model can learn in a few steps; return the trainer and its rewards per step."""
+    # Large initial weights make the random model's next-token distributions peaked, so the target token (the one
+    # it already likes most after the prompts) is sampled from the first step and its reward can be learned.
+    model = tiny_model(tokenizer, initializer_range=0.3)
+    with torch.no_grad():
+        prompts = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+        target = int(model(**prompts).logits[:, -1].softmax(-1).mean(0).argmax())
+
+    def target_fraction(completion_ids, **kwargs):
+        return [sum(t == target for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    args = F.GRPOConfig(**common_args(tmp_path, max_steps=steps, learning_rate=1e-1, max_completion_length=8, **config))
+    trainer = F.GRPOTrainer(
+        model=model, reward_funcs=target_fraction, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
+        processing_class=tokenizer, peft_config=LoraConfig(**LORA),
+    )
+    torch._dynamo.utils.counters.clear()
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "reward" in log]
+    assert len(logs) == steps and all(math.isfinite(log["loss"]) for log in logs)
+    assert trainer._embedded_generator is not None  # completions came from fastgrpo's generator
+    assert not torch._dynamo.utils.counters["graph_break"]  # the decoder compiled as one graph
+    return trainer, [log["reward"] for log in logs]
+
+
+def test_reward_rises_on_a_learnable_reward(tokenizer, tmp_path):
+    _, rewards = train_on_learnable_reward(
+        tokenizer, tmp_path, steps=8, fastgrpo_compile_options=COMPILE_OPTIONS, fastgrpo_mini_batch=3,
+        fastgrpo_logprob_chunk=5,
+    )
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+
+
+@pytest.mark.gpu
+def test_gpu_training_with_automatic_precision_and_sizes(tokenizer, tmp_path):
+    # Everything left to fastgrpo's defaults: bf16 autocast on this GPU, "auto" mini-batch and log-prob chunk
+    # (from torch.cuda.mem_get_info), the backend's default inner compiler (inductor).
+    trainer, rewards = train_on_learnable_reward(tokenizer, tmp_path, steps=8, use_cpu=False)
+    assert trainer.args.bf16 and not trainer.args.fp16
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+
+
+def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTGRPO_FORCE_FLOAT32", raising=False)
+    monkeypatch.delenv("FASTGRPO_MIXED_PRECISION", raising=False)
+    config = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, top_k=-1, report_to="none")
+    assert config.beta == 0.001 and config.top_k == 0
+    assert (config.bf16, config.fp16) == (False, False)  # auto: fp32 on CPU
+    assert config.fastgrpo_mini_batch == "auto" and config.fastgrpo_logprob_chunk == "auto"
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, top_k=None, fastgrpo_mini_batch="4").fastgrpo_mini_batch == 4
+
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True).bf16  # config overrides auto
+    monkeypatch.setenv("FASTGRPO_MIXED_PRECISION", "bf16")
+    config = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert (config.bf16, config.fp16) == (True, False)
+    with pytest.warns(UserWarning, match="overrides fp32"):
+        assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16  # environment beats config
+    monkeypatch.setenv("FASTGRPO_FORCE_FLOAT32", "1")  # beats FASTGRPO_MIXED_PRECISION and the config
+    with pytest.warns(UserWarning, match="overrides bf16"):
+        config = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True)
+    assert (config.bf16, config.fp16) == (False, False)
+    monkeypatch.delenv("FASTGRPO_FORCE_FLOAT32")
+    monkeypatch.setenv("FASTGRPO_MIXED_PRECISION", "int8")
+    with pytest.raises(ValueError, match="FASTGRPO_MIXED_PRECISION"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    monkeypatch.setenv("FASTGRPO_MIXED_PRECISION", "fp16")
+    assert resolve_precision(None, False, use_cpu=True) == "fp16"
+    monkeypatch.delenv("FASTGRPO_MIXED_PRECISION")
+    assert resolve_precision(None, True, use_cpu=True) == "fp16"
+    assert resolve_precision(False, False, use_cpu=False) == "fp32"
+
+    with pytest.raises(ValueError, match="fastgrpo_mini_batch"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_mini_batch=0)
+
+
+def test_auto_find_batch_size_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="auto_find_batch_size=False"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, auto_find_batch_size=True)
+
+
+def test_stock_config_is_refused_with_the_fix(tokenizer, tmp_path):
+    with pytest.raises(TypeError, match="patch_trl"):
+        F.GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=low_id_fraction,
+                      args=StockGRPOConfig(**common_args(tmp_path, bf16=False)), processing_class=tokenizer,
+                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+
+
+def test_patch_trl_swaps_the_public_names():
+    import trl
+
+    try:
+        F.patch_trl()
+        F.patch_trl()
+        from trl import GRPOConfig, GRPOTrainer
+        from trl.trainer import GRPOTrainer as TrainerFromSubpackage
+
+        assert GRPOTrainer is F.GRPOTrainer and GRPOConfig is F.GRPOConfig and TrainerFromSubpackage is F.GRPOTrainer
+        assert issubclass(GRPOTrainer, StockGRPOTrainer) and issubclass(GRPOConfig, StockGRPOConfig)
+    finally:
+        F.unpatch_trl()
+    assert trl.GRPOTrainer is StockGRPOTrainer and trl.GRPOConfig is StockGRPOConfig
