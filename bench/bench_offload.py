@@ -1,0 +1,207 @@
+"""Offloaded activation checkpointing on the GRPO policy step (DESIGN.md §4 workload, GPU).
+
+The step of bench/grpo_step.py's fastgrpo system (Qwen2.5-1.5B shape, bf16, LoRA r=16, G=8
+completions of a 256-token prompt, decoder layers compiled one region each with backend="fastgrpo",
+log-probs through fastgrpo::selective_logprob), on ONE model compiled once, under:
+  checkpoint   HF non-reentrant gradient checkpointing (what grpo_step.py measures)
+  offload      fastgrpo.integrations.offload: layer inputs in pinned host buffers, side-stream copies
+  hf-offload   (opt-in) transformers' own gradient_checkpointing_enable(offload=True), where supported
+Goals (issue 7): offload <= 1.03x checkpoint's step time; at 16384 completions peak <= 16 GiB.
+Also reported: the largest gradient difference against the checkpoint run on the same batch, beside
+checkpoint-vs-checkpoint on the same batch (the kernels' own run-to-run noise); a copy racing the
+compute stream would show as a difference far above that noise.
+
+    python bench/bench_offload.py                                  # H200: completions 4096,16384
+    python bench/bench_offload.py --modes checkpoint,offload,hf-offload
+    python bench/bench_offload.py --tiny --completions 32,64 --inner eager   # CPU: checks the harness
+Writes $OUT/bench_offload.json when OUT is set.
+"""
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import grpo_step  # noqa: E402
+from grpo_step import GROUP, PROMPT, build_policy, make_step  # noqa: E402
+
+import fastgrpo  # noqa: E402
+from fastgrpo.integrations.offload import enable_offloaded_checkpointing  # noqa: E402
+
+# DESIGN.md §4 (H200, 2026-11-29): Unsloth's step, ms and peak GiB (+11.4 GB host RAM at 16384).
+UNSLOTH = {1024: (301, 4.61), 4096: (952, 8.17), 16384: (4666, 22.4)}
+SLOWDOWN_GOAL, MEMORY_GOAL_GIB, MEMORY_GOAL_AT = 1.03, 16.0, 16384
+
+
+def make_batch(model, completion: int):
+    torch.manual_seed(0)  # the same batch in every mode
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (GROUP, PROMPT + completion), device=device)
+    return ids, torch.ones(GROUP, completion, device=device), torch.randn(GROUP, device=device)
+
+
+def step_grads(model, completion: int) -> torch.Tensor:
+    """The trainable parameters' gradients after one step on the fixed batch, on the host (so that
+    keeping them does not count in the device peak of the next measurement)."""
+    make_step("fastgrpo", model, completion)(*make_batch(model, completion))
+    grads = torch.cat([p.grad.flatten().float().cpu() for p in model.parameters() if p.requires_grad and p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=None) -> dict:
+    cuda = next(model.parameters()).device.type == "cuda"
+    result = {"mode": mode, "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
+              "tokens_per_s": None, "error": None}
+    try:
+        batch = make_batch(model, completion)
+        step = make_step("fastgrpo", model, completion)
+        for _ in range(warmup):
+            step(*batch)
+            model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            step(*batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            model.zero_grad(set_to_none=True)
+        median = statistics.median(times)
+        result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
+                      tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3))
+        if cuda:
+            result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            # Blocks freed while a side-stream copy still reads them leave "allocated" at once but are
+            # reusable only after the copy: a lagging copy stream would show here, not in peak_gib.
+            result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        if handle is not None:
+            result["host_gib"] = round(handle.stats.host_bytes / 2**30, 2)
+            result["stats"] = vars(handle.stats).copy()
+    except torch.OutOfMemoryError:
+        result["error"] = "OOM"
+    except Exception as err:  # one failing mode must not hide the others' numbers
+        result["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny: bool, inner: str) -> list[dict]:
+    # Built without compiling, then compiled here so the inner compiler can be chosen (eager for --tiny on CPU).
+    model = build_policy("eager", PROMPT + max(completions) + 8, tiny)
+    fastgrpo.compile_repeated_blocks(model.get_base_model(), options={"inner": inner}, dynamic=grpo_step.DYNAMIC)
+    reference = {}  # completion -> gradients under plain checkpointing
+    results = []
+    for mode in modes:
+        handle = None
+        if mode == "offload":
+            handle = enable_offloaded_checkpointing(model)
+        elif mode == "hf-offload":
+            if "offload" not in inspect.signature(model.get_base_model().gradient_checkpointing_enable).parameters:
+                results += [{"mode": mode, "completion": c, "error": "transformers has no offload option"}
+                            for c in completions]
+                continue
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+        elif mode != "checkpoint":
+            raise ValueError(f"unknown mode {mode!r}")
+        for completion in completions:
+            result = measure(model, mode, completion, warmup, repeat, handle)
+            if not result["error"]:
+                grads = step_grads(model, completion)
+                result["grad_max_abs"] = grads.abs().max().item()
+                if mode == "checkpoint":
+                    # A second identical step: how far the kernels alone move the gradients.
+                    result["grad_noise"] = (step_grads(model, completion) - grads).abs().max().item()
+                    reference[completion] = grads
+                elif completion in reference:
+                    result["grad_max_diff"] = (grads - reference[completion]).abs().max().item()
+            print("RESULT " + json.dumps(result), flush=True)
+            results.append(result)
+        if handle is not None:
+            handle.disable()
+        if mode == "hf-offload":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return results
+
+
+def table(results: list[dict]) -> str:
+    by = {(r["mode"], r["completion"]): r for r in results}
+    modes = [m for m in ("checkpoint", "offload", "hf-offload") if any(k[0] == m for k in by)]
+    lines = ["| completion | " + " | ".join(modes) + " | offload time / checkpoint | offload peak saved | "
+             "host GiB | grad diff (noise) | Unsloth (anchor) | offload tok/s vs Unsloth | offload mem / Unsloth |",
+             "|---" * (len(modes) + 8) + "|"]
+    for completion in sorted({k[1] for k in by}):
+        cells = []
+        for m in modes:
+            r = by.get((m, completion))
+            if r is None:
+                cells.append("-")
+            elif r["error"]:
+                cells.append(r["error"][:40])
+            else:
+                peak = f"{r['peak_gib']} GiB ({r['peak_reserved_gib']} reserved)" if r["peak_gib"] is not None else "- GiB"
+                cells.append(f"{r['ms_median']:.0f} ms, {peak}")
+        ck, off = by.get(("checkpoint", completion)), by.get(("offload", completion))
+        ok = lambda r: r is not None and not r["error"]  # noqa: E731
+        if ok(ck) and ok(off):
+            slowdown = off["ms_median"] / ck["ms_median"]
+            cells.append(f"{slowdown:.3f}x ({'met' if slowdown <= SLOWDOWN_GOAL else 'not met'})")
+            cells.append(f"{ck['peak_gib'] - off['peak_gib']:.2f} GiB" if off["peak_gib"] is not None else "-")
+        else:
+            cells += ["-", "-"]
+        cells.append(str(off.get("host_gib", "-")) if ok(off) else "-")
+        if ok(off) and "grad_max_diff" in off:
+            cells.append(f"{off['grad_max_diff']:.2e} ({ck.get('grad_noise', float('nan')):.2e})")
+        else:
+            cells.append("-")
+        anchor = UNSLOTH.get(completion)
+        cells.append(f"{anchor[0]} ms, {anchor[1]} GiB" if anchor else "-")
+        if anchor and ok(off):
+            cells.append(f"{anchor[0] / off['ms_median']:.2f}x")
+            cells.append(f"{off['peak_gib'] / anchor[1]:.2f}x" if off["peak_gib"] is not None else "-")
+        else:
+            cells += ["-", "-"]
+        lines.append(f"| {completion} | " + " | ".join(cells) + " |")
+    off = by.get(("offload", MEMORY_GOAL_AT))
+    if off is not None and not off["error"] and off["peak_gib"] is not None:
+        verdict = "met" if off["peak_gib"] <= MEMORY_GOAL_GIB else "not met"
+        lines.append(f"\nGoal: peak <= {MEMORY_GOAL_GIB} GiB at {MEMORY_GOAL_AT} completions: {verdict} "
+                     f"({off['peak_gib']} GiB)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="checkpoint,offload")
+    parser.add_argument("--completions", default="4096,16384")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--inner", default="inductor", help="the fastgrpo backend's inner compiler")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "offload" in modes and "checkpoint" in modes:
+        modes = ["checkpoint"] + [m for m in modes if m != "checkpoint"]  # the gradient reference first
+    results = run(modes, [int(c) for c in args.completions.split(",")], args.warmup, args.repeat, args.tiny,
+                  args.inner)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_offload.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
