@@ -134,6 +134,7 @@ class EmbeddedGenerator:
         self._pad_to_multiple_of = pad_to_multiple_of
         self._check_finished_every = check_finished_every
         self._cache: StaticCache | None = None
+        self._cache_batch = 0
         self._compiled_step = None
 
     @property
@@ -144,15 +145,18 @@ class EmbeddedGenerator:
         return self.device.type == "cuda"
 
     def _static_cache(self, decoder: nn.Module, batch: int, length: int) -> StaticCache:
-        """The reusable cache, or a new one when the batch changes or it is too short."""
-        cache = self._cache
-        if cache is None or self._cache_batch != batch or cache.get_max_length() < length:
-            self._cache = None  # free the old cache before allocating the new one
-            cache = StaticCache(config=decoder.config, max_cache_len=length)
-            self._cache, self._cache_batch = cache, batch
-        else:
-            cache.reset()
-        return cache
+        """The reusable cache, or a new one when the batch changes or it is too short.
+
+        Keeping one cache (same tensors, same shapes) is what lets the compiled step and its CUDA
+        graph be reused across calls; a longer cache serves shorter prompts as well.
+        """
+        if self._cache is not None and self._cache_batch == batch and self._cache.get_max_length() >= length:
+            self._cache.reset()
+            return self._cache
+        self._cache = None  # free the old cache before allocating the new one
+        self._cache = StaticCache(config=decoder.config, max_cache_len=length)
+        self._cache_batch = batch
+        return self._cache
 
     def _step(
         self,
@@ -243,35 +247,38 @@ class EmbeddedGenerator:
 
         was_training = decoder.training
         decoder.eval()
+        # Autocast off: under it keys (upcast by RoPE) and values can differ in dtype, which one
+        # static cache cannot hold. Generation runs in the weights' dtype.
         try:
-            logits = _forward(
-                decoder,
-                input_ids=input_ids,
-                position_ids=prompt_positions,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-            tokens = sample_next_token(logits, temperature, top_k, top_p, min_p)
-            finished = torch.isin(tokens, eos)
-            completion[:, 0] = tokens
-            positions = prompt_positions[:, -1] + 1
-            generated = 1
-            while generated < self.max_new_tokens:
-                if generated % check_every == 0 and bool(finished.all()):
-                    break
-                if on_cuda:
-                    torch.compiler.cudagraph_mark_step_begin()
-                tokens, finished = step(
-                    decoder, cache, tokens, positions, attention_mask, finished, eos,
-                    temperature, top_k, top_p, min_p,
-                )  # fmt: skip
-                # The step's outputs live in CUDA-graph memory that the next replay overwrites.
-                tokens, finished = tokens.clone(), finished.clone()
-                completion[:, generated] = tokens
-                positions = positions + 1
-                generated += 1
+            with torch.autocast(device.type, enabled=False):
+                logits = _forward(
+                    decoder,
+                    input_ids=input_ids,
+                    position_ids=prompt_positions,
+                    attention_mask=attention_mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
+                tokens = sample_next_token(logits, temperature, top_k, top_p, min_p)
+                finished = torch.isin(tokens, eos)
+                completion[:, 0] = tokens
+                positions = prompt_positions[:, -1] + 1
+                generated = 1
+                while generated < self.max_new_tokens:
+                    if generated % check_every == 0 and bool(finished.all()):
+                        break
+                    if on_cuda:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    tokens, finished = step(
+                        decoder, cache, tokens, positions, attention_mask, finished, eos,
+                        temperature, top_k, top_p, min_p,
+                    )  # fmt: skip
+                    # The step's outputs live in CUDA-graph memory that the next replay overwrites.
+                    tokens, finished = tokens.clone(), finished.clone()
+                    completion[:, generated] = tokens
+                    positions = positions + 1
+                    generated += 1
         finally:
             decoder.train(was_training)
         return _truncate_after_eos(completion[:, :generated].cpu(), self.eos_token_ids)

@@ -1,0 +1,116 @@
+"""Prompt datasets and reward functions for the main job.
+
+Built-in tasks come from reasoning-gym (generated offline, seeded). The defaults are sized for a
+135M model: one-digit sums it gets partly right, so the reward can rise within a short run. Rewards
+give partial credit, because an all-or-nothing reward is almost always 0 for such a model and GRPO
+then has no signal (all advantages in a group are zero):
+- `format_reward`: 1 for a reply that is just a number, 0.5 for a reply that contains one;
+- `closeness_reward`: 1 / (1 + |last number in the reply - answer|), so 1 when exact.
+Reward functions follow TRL's signature: `(completions, **dataset_columns) -> list[float]`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from datasets import Dataset, load_dataset, load_from_disk
+
+# reasoning-gym dataset name -> generator settings that keep the task within a 135M model's reach.
+TASKS: dict[str, dict] = {
+    "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    "basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+}
+DEFAULT_TASK = "chain_sum"
+SYSTEM_PROMPT = "Reply with the final answer only, as a number."
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def make_task_dataset(task: str = DEFAULT_TASK, size: int = 512, seed: int = 0, **task_options) -> Dataset:
+    """A reasoning-gym task as a conversational prompt dataset with an `answer` column.
+
+    `task_options` override the generator settings in `TASKS` (any reasoning-gym config field);
+    tasks not in `TASKS` run with reasoning-gym's own defaults.
+    """
+    import reasoning_gym
+
+    options = {**TASKS.get(task, {}), **task_options}
+    entries = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": entry["question"]},
+            ],
+            "answer": str(entry["answer"]),
+        }
+        for entry in entries
+    ]
+    return Dataset.from_list(rows)
+
+
+def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
+    """A local dataset with a "prompt" column: a `save_to_disk` directory, or a .json/.jsonl/.csv/.parquet file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        dataset = load_from_disk(str(path))
+        if hasattr(dataset, "keys"):  # a DatasetDict: train on its "train" split
+            if "train" not in dataset:
+                raise ValueError(f"{path} holds splits {list(dataset)}; it needs a 'train' split")
+            dataset = dataset["train"]
+    elif path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"{path}: use a .json, .jsonl, .csv or .parquet file, or a save_to_disk directory")
+        dataset = load_dataset(kind, data_files=str(path), split="train")
+    else:
+        raise FileNotFoundError(f"--dataset {str(path)!r} does not exist")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"{path} has columns {dataset.column_names}; a 'prompt' column is required")
+    return dataset
+
+
+def completion_text(completion) -> str:
+    """TRL passes a string for plain prompts and a list of messages for conversational ones."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message.get("content") or "" for message in completion)
+
+
+def last_number(text: str) -> float | None:
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+def format_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the reply is only a number, 0.5 when it contains one, else 0."""
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion).strip().rstrip(".")
+        if _NUMBER.fullmatch(text.replace(",", "")):
+            rewards.append(1.0)
+        elif _NUMBER.search(text):
+            rewards.append(0.5)
+        else:
+            rewards.append(0.0)
+    return rewards
+
+
+def closeness_reward(completions, answer, **kwargs) -> list[float]:
+    """1 / (1 + |last number in the reply - answer|): 1 when exact, 0.5 when off by one, 0 without a number."""
+    rewards = []
+    for completion, target in zip(completions, answer):
+        guess, truth = last_number(completion_text(completion)), last_number(str(target))
+        if guess is None or truth is None:
+            rewards.append(0.0)
+        else:
+            rewards.append(1.0 / (1.0 + abs(guess - truth)))
+    return rewards
+
+
+def reward_functions(dataset: Dataset) -> list:
+    """The rewards a dataset supports: the format reward always, closeness when it has an `answer` column."""
+    if "answer" in dataset.column_names:
+        return [format_reward, closeness_reward]
+    return [format_reward]
