@@ -1,5 +1,9 @@
 """Pattern passes over Dynamo's FX graph, one file each, applied in this order.
 
+RoPE goes before RMSNorm: where a norm follows the rotation (NanoChat, HunYuan apply q/k norms
+after RoPE), the rotation's final add would otherwise be taken for a residual add and fused
+into the norm, and the rotation lost.
+
 Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
 sites into calls of `fastgrpo::` custom ops and records matches and near misses.
 """
@@ -8,8 +12,8 @@ from fastgrpo.passes._record import PatternRecord
 
 PASSES = {
     selective_logprob.NAME: selective_logprob,
-    rms_norm.NAME: rms_norm,
     rope.NAME: rope,
+    rms_norm.NAME: rms_norm,
     gated_mlp.NAME: gated_mlp,
 }
 

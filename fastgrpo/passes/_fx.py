@@ -31,6 +31,8 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh, aten.tanh.default),
     "linear": (torch._C._nn.linear, F.linear, aten.linear.default),
     "silu": (F.silu, aten.silu.default),
+    "relu": (F.relu, torch.relu, torch.Tensor.relu, aten.relu.default),
+    "sigmoid": (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, aten.sigmoid.default),
     "gelu": (F.gelu, torch._C._nn.gelu, aten.gelu.default),
     "log_softmax": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, aten._log_softmax.default),
     "logsumexp": (torch.logsumexp, torch.Tensor.logsumexp, aten.logsumexp.default),
@@ -44,6 +46,8 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "view": (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, aten.view.default, aten.reshape.default),
     "chunk": (torch.chunk, torch.Tensor.chunk),
     "stack": (torch.stack, aten.stack.default),
+    "view_as_complex": (torch.view_as_complex, aten.view_as_complex.default),
+    "view_as_real": (torch.view_as_real, aten.view_as_real.default),
     "flatten": (torch.flatten, torch.Tensor.flatten),
     "dropout": (F.dropout, torch.dropout),
     "cast": (torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.half, torch.Tensor.bfloat16),
@@ -97,6 +101,14 @@ def dtype(node: Any) -> torch.dtype | None:
 def shape(node: Any) -> tuple | None:
     v = value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_empty(node: Any) -> bool:
+    """A tensor with a dimension known at compile time to be 0 (Dynamo specialises sizes 0 and 1)."""
+    return any(isinstance(d, int) and d == 0 for d in (shape(node) or ()))
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fastgrpo kernels take
 
 
 def is_tensor(node: Any) -> bool:
@@ -181,3 +193,33 @@ def propagate_meta(new: fx.Node, like: fx.Node) -> None:
     for key in ("example_value", "val", "nn_module_stack", "stack_trace"):
         if key in like.meta:
             new.meta[key] = like.meta[key]
+
+
+_RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson")
+
+
+def value_key(x: Any, depth: int = 8) -> Any:
+    """A hashable key equal for two nodes that compute the same value: the same pure op on
+    the same inputs, recursively (`cos.unsqueeze(1)` written once per rotated tensor, as Gemma4,
+    GPT-J and CodeGen do). Placeholders, random or in-place ops, and anything deeper than
+    `depth` are keyed by identity."""
+    if isinstance(x, fx.Node):
+        target_name = getattr(x.target, "__name__", str(x.target))
+        pure = (
+            x.op in ("call_function", "call_method") and depth > 0 and not x.is_impure()
+            and not target_name.endswith("_") and not any(r in target_name for r in _RANDOM_OPS)
+        )
+        if not pure:
+            return x
+        key = (x.op, x.target, value_key(tuple(x.args), depth - 1),
+               tuple(sorted((k, value_key(v, depth - 1)) for k, v in x.kwargs.items())))
+        try:
+            hash(key)
+        except TypeError:
+            return x
+        return key
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(value_key(a, depth) for a in x))
+    if isinstance(x, slice):
+        return ("slice", value_key(x.start, depth), value_key(x.stop, depth), value_key(x.step, depth))
+    return x

@@ -3,12 +3,14 @@ which keeps only x for backward and recomputes the two [tokens x intermediate]
 projections, the activation and their product (DESIGN.md §3: the memory inductor will
 not recompute).
 
-Anchor: `act(g) * u` (either order) with act = SiLU or tanh-GELU. The projections g and u
-are absorbed when each is a bias-free linear of the same x - plain, a PEFT LoRA linear
-(`base(x) + B(A(x.to(A.dtype))) * scale`, cast back), or a half of a fused `gate_up`
-projection taken with `chunk(2, -1)` (Phi3). Anything else (bnb 4-bit, biases, LoRA
-dropout, DoRA, unknown producers) falls back to `fastgrpo::act_mul`, which saves g and u
-and recomputes only the activation; the report says which form each site got and why.
+Anchor: `act(g) * u` (either order) with act = SiLU (also written `g * sigmoid(g)`) or
+tanh-GELU; other activations (exact GELU, ReLU, squared ReLU, swish with a slope) are
+reported as near misses. The projections g and u are absorbed when each is a bias-free
+linear of the same x - plain, a PEFT LoRA linear (`base(x) + B(A(x.to(A.dtype))) * scale`,
+cast back), or a half of a fused `gate_up` projection taken with `chunk(2, -1)` (Phi3).
+Anything else (bnb 4-bit, biases, LoRA dropout, DoRA, unknown producers such as MoE expert
+matmuls) falls back to `fastgrpo::act_mul`, which saves g and u and recomputes only the
+activation; the report says which form each site got and why.
 """
 import operator
 from dataclasses import dataclass
@@ -18,7 +20,8 @@ from torch import fx
 
 from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
 from fastgrpo.passes._fx import (
-    arg, binary_operands, dtype, is_kind, is_scalar, propagate_meta, shape, site_name, strip_widening_casts,
+    SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, other_operand, propagate_meta, shape,
+    site_name, strip_widening_casts,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -39,12 +42,32 @@ class _Projection:
     nodes: tuple[fx.Node, ...] = ()
 
 
-def _activation(node) -> tuple[str, fx.Node] | None:
+def _activation(node) -> tuple[str, fx.Node, list[fx.Node]] | None:
+    """(name, input, the nodes computing it in graph order) for an activation: SiLU and GELU, SiLU
+    written out as `x * sigmoid(x)`, and - to be reported, not fused - swish with a slope
+    (`x * sigmoid(a * x)`, GPT-OSS), ReLU and squared ReLU (BitNet)."""
     if is_kind(node, "silu"):
-        return "silu", arg(node, 0, "input")
+        return "silu", arg(node, 0, "input"), [node]
     if is_kind(node, "gelu"):
         approximate = arg(node, 1, "approximate", "none")
-        return (f"gelu_{approximate}" if approximate != "none" else "gelu"), arg(node, 0, "input")
+        return (f"gelu_{approximate}" if approximate != "none" else "gelu"), arg(node, 0, "input"), [node]
+    if is_kind(node, "relu"):
+        return "relu", arg(node, 0, "input"), [node]
+    if (is_kind(node, "square") or (is_kind(node, "pow") and is_scalar(arg(node, 1, "exponent"), 2.0))) and is_kind(
+        relu := arg(node, 0, "input"), "relu"
+    ):
+        return "squared relu", arg(relu, 0, "input"), [relu, node]
+    if is_kind(node, "mul"):
+        for x, sigmoid in (binary_operands(node), binary_operands(node)[::-1]):
+            if not is_kind(sigmoid, "sigmoid"):
+                continue
+            inner = arg(sigmoid, 0, "input")
+            if inner is x:
+                return "silu", x, [sigmoid, node]
+            if is_kind(inner, "mul") and x in binary_operands(inner):
+                slope = other_operand(inner, x)
+                if is_scalar(slope) and not isinstance(slope, fx.Node):
+                    return f"swish with slope {float(slope):g}", x, [inner, sigmoid, node]
     return None
 
 
@@ -102,7 +125,19 @@ def _projection(node: fx.Node) -> _Projection:
                 return _Projection(plain[0], plain[1], lora_a, lora_b, scale, (*nodes, node, base, *lora_nodes))
     if is_kind(node, "linear"):
         raise Unabsorbable("projection has a bias")
-    raise Unabsorbable(f"projection produced by {node.target if isinstance(node, fx.Node) else node!r}, not a linear")
+    raise Unabsorbable(f"projection produced by {_describe(node)}, not a linear")
+
+
+def _describe(node) -> str:
+    """A stable, readable name for what a node computes (no object addresses in the report)."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    target = node.target
+    if isinstance(target, str):
+        return f"'{target}'"
+    if isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        return str(target)
+    return getattr(target, "__name__", str(target))
 
 
 def _weight_half(graph: fx.Graph, weight, rows: int) -> fx.Node:
@@ -151,14 +186,20 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
         found = _activation(act_node)
         if found is None or len(act_node.users) != 1 or not isinstance(other, fx.Node):
             continue
-        activation, g = found
+        activation, g, act_nodes = found
+        if strip_widening_casts(other) is strip_widening_casts(g):
+            continue  # x * act(x) is an activation written out, not a gate
         u = other
         site = site_name(product)
         if activation not in ("silu", "gelu_tanh"):
             record.miss(site, f"activation {activation} is not SiLU or tanh-GELU")
             continue
-        if shape(g) != shape(u) or dtype(g) != dtype(u) or dtype(g) not in (torch.float32, torch.float16, torch.bfloat16):
-            record.miss(site, f"gate {shape(g)} {dtype(g)} and up {shape(u)} {dtype(u)} differ or are not float")
+        if shape(g) != shape(u) or dtype(g) != dtype(u) or dtype(g) not in SUPPORTED_DTYPES:
+            record.miss(site, f"gate {shape(g)} {dtype(g)} and up {shape(u)} {dtype(u)} differ or are not "
+                              f"float32/float16/bfloat16")
+            continue
+        if is_empty(g):
+            record.miss(site, f"zero-size gate and up {shape(g)}: nothing to accelerate")
             continue
         try:
             gate, up = _projection(g), _projection(u)
@@ -166,16 +207,21 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
                 raise Unabsorbable("gate and up read different inputs")
             if dtype(gate.x) != dtype(product):
                 raise Unabsorbable(f"input dtype {dtype(gate.x)} differs from the MLP's {dtype(product)}")
-            if len(g.users) != 1 or len(u.users) != 1:
+            for p in (gate, up):
+                weights = [w[0] if isinstance(w, tuple) else w for w in (p.weight, p.lora_a, p.lora_b) if w is not None]
+                if dtype(weights[0]) != dtype(gate.x) or len({dtype(w) for w in weights[1:]}) > 1:
+                    raise Unabsorbable(f"projection weights {[str(dtype(w)) for w in weights]} do not match the "
+                                       f"input dtype {dtype(gate.x)} (LoRA factors must share one dtype)")
+            if any(user not in act_nodes for user in g.users) or len(u.users) != 1:
                 raise Unabsorbable("gate or up projection is used outside the MLP")
             _emit_fused(graph, product, activation, gate, up)
-            _erase_dead(graph, [*gate.nodes[::-1], *up.nodes[::-1], act_node, product])
+            _erase_dead(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product])
             lora = "LoRA " if gate.lora_a is not None or up.lora_a is not None else ""
             fused = "fused gate_up, " if isinstance(gate.weight, tuple) else ""
             record.match(site, f"gated_mlp ({fused}{lora}{activation}, recomputes projections)")
         except Unabsorbable as why:
             _emit_fallback(graph, product, activation, g, u)
-            _erase_dead(graph, [act_node, product])
+            _erase_dead(graph, [*act_nodes, product])
             record.match(site, f"act_mul fallback ({activation}; saves gate and up): {why}")
     graph.lint()
     gm.recompile()

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from fastgrpo.kernels import rms_norm as _rms_norm_ops  # noqa: F401  (registers the ops)
+from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
 from fastgrpo.passes._fx import (
-    arg, binary_operands, dtype, is_kind, is_scalar, is_tensor, is_widening_or_same, kind,
-    normalized_dim, only_user, other_operand, propagate_meta, shape, site_name, strip_widening_casts,
+    SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, is_tensor, is_widening_or_same,
+    kind, normalized_dim, only_user, other_operand, propagate_meta, shape, site_name, strip_widening_casts,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -54,6 +54,15 @@ def _square_of(node: Any) -> Any:
     return None
 
 
+def _is_centred(x: Any) -> bool:
+    """`t - t.mean(-1, keepdim=True)`: the variance of a LayerNorm (Cohere's), not an RMSNorm."""
+    x = strip_widening_casts(x)
+    if not is_kind(x, "sub"):
+        return False
+    t, m = binary_operands(x)
+    return is_kind(m, "mean") and strip_widening_casts(arg(m, 0, "input")) is strip_widening_casts(t)
+
+
 def _rstd_users(denominator: fx.Node) -> list[tuple[fx.Node, str]]:
     """Nodes that turn `variance + eps` into a scale for x: (node, how it applies)."""
     found = []
@@ -77,10 +86,19 @@ def _normalized(x_fp: fx.Node, scale: fx.Node, how: str) -> list[fx.Node]:
                 return [user, *_normalized(x_fp, user, "mul")]
         raise Miss("sqrt of the variance is not used to divide the input")
     for user in scale.users:
+        # `x * rsqrt(...).to(x.dtype)` (DeepSeek-V4): the scale may pass through casts first.
+        casts, factor = [], scale
+        while is_kind(user, "cast") and only_user(user) is not None:
+            casts.append(user)
+            factor, user = user, only_user(user)
         if is_kind(user, "mul"):
-            other = other_operand(user, scale)
+            other = other_operand(user, factor)
             if strip_widening_casts(other) is strip_widening_casts(x_fp):
-                return [user]
+                for cast in casts:
+                    if not is_widening_or_same(dtype(cast.args[0]), dtype(cast)):
+                        raise Miss(f"the inverse RMS is rounded to {dtype(cast)} before it scales the input: "
+                                   f"a rounding the op does not reproduce")
+                return [*casts, user]
     raise Miss("the inverse RMS is not multiplied into the same input")
 
 
@@ -107,7 +125,7 @@ def _match(mean: fx.Node) -> _Norm | None:
     if not is_kind(mean, "mean"):
         return None
     x_fp = _square_of(arg(mean, 0, "input"))
-    if x_fp is None or not is_tensor(x_fp):
+    if x_fp is None or not is_tensor(x_fp) or _is_centred(x_fp):
         return None
     denominator = only_user(mean)
     if not is_kind(denominator, "add"):
@@ -129,8 +147,7 @@ def _match(mean: fx.Node) -> _Norm | None:
     if not isinstance(eps, torch.fx.Node) and float(eps) <= 0:
         raise Miss(f"epsilon {eps} is not positive")
     source = strip_widening_casts(x_fp)
-    if dtype(source) not in (torch.float32, torch.float16, torch.bfloat16):
-        raise Miss(f"input dtype {dtype(source)} is not float32/float16/bfloat16")
+    _check_input(source)
     normalizing = _normalized(x_fp, scale, how)
     normalized = normalizing[-1]
     nodes = [n for n in (x_fp, arg(mean, 0, "input"), mean, denominator, scale) if n is not source]
@@ -158,6 +175,8 @@ def _match(mean: fx.Node) -> _Norm | None:
         return _Norm(source, eps, None, 0.0, weight_in_fp32, out, nodes)
 
     x_dtype, w_dtype = dtype(source), dtype(weight)
+    if w_dtype not in SUPPORTED_DTYPES:
+        raise Miss(f"weight dtype {w_dtype} is not float32/float16/bfloat16")
     if entering == torch.float32 and product_dtype == torch.float32:
         weight_in_fp32 = True
     elif entering == x_dtype and product_dtype == torch.promote_types(x_dtype, w_dtype):
@@ -171,6 +190,17 @@ def _match(mean: fx.Node) -> _Norm | None:
         )
     _check_no_rounding(value_dtypes, dtype(out))
     return _Norm(source, eps, weight, offset, weight_in_fp32, out, nodes)
+
+
+def _check_input(x: fx.Node) -> None:
+    """What the op cannot take, found at compile time rather than raised by the kernel at run time."""
+    if dtype(x) not in SUPPORTED_DTYPES:
+        raise Miss(f"input dtype {dtype(x)} is not float32/float16/bfloat16")
+    hidden = shape(x)[-1]
+    if isinstance(hidden, int) and hidden > MAX_HIDDEN_SIZE:
+        raise Miss(f"hidden size {hidden} exceeds {MAX_HIDDEN_SIZE}, the widest row the kernel holds")
+    if is_empty(x):
+        raise Miss(f"zero-size input {shape(x)}: nothing to accelerate")
 
 
 def _check_no_rounding(cast_dtypes: list, final: torch.dtype) -> None:
@@ -249,10 +279,14 @@ def _match_functional(node: fx.Node) -> _Norm | None:
     normalized_shape = arg(node, 1, "normalized_shape")
     if not isinstance(normalized_shape, (list, tuple)) or len(normalized_shape) != 1:
         raise Miss(f"F.rms_norm over {normalized_shape}: only the last dim is supported")
+    _check_input(x)
+    weight = arg(node, 2, "weight")
+    if weight is not None and dtype(weight) not in SUPPORTED_DTYPES:
+        raise Miss(f"weight dtype {dtype(weight)} is not float32/float16/bfloat16")
     eps = arg(node, 3, "eps")
     if eps is None:
         eps = torch.finfo(dtype(x)).eps
-    return _Norm(x, eps, arg(node, 2, "weight"), 0.0, True, node, [node])
+    return _Norm(x, eps, weight, 0.0, True, node, [node])
 
 
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:

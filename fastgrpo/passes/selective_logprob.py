@@ -4,8 +4,10 @@
 Anchors: `log_softmax(z, -1)` read only through `gather(-1, idx)`; `cross_entropy(z, t)`;
 and `gather(z, -1, idx) - logsumexp(z, -1)`. From the anchor the pass walks back from z
 to a bias-free `linear(h, W)` through casts, scalar multiplies/divides (logit scale,
-temperature), the `cap * tanh(z / cap)` soft-cap and reshapes. The logits must have no
-other user: a graph that also returns them to its caller is reported, not rewritten.
+temperature), the `cap * tanh(z / cap)` soft-cap, reshapes and token selections such as
+TRL's `logits[:, :-1, :]` (moved onto the hidden states, so only the kept rows are
+computed). The logits must have no other user: a graph that also returns them to its
+caller is reported, not rewritten.
 
 Deliberate numerical change: the op computes logits and log-softmax in fp32 even where
 the model ran log_softmax in bf16 (as HF does for bf16 models); its fp32 result is then
@@ -19,7 +21,8 @@ from torch import fx
 
 from fastgrpo.kernels.selective_logprob import selective_logprob
 from fastgrpo.passes._fx import (
-    arg, binary_operands, dtype, is_kind, kind, is_scalar, normalized_dim, only_user, propagate_meta, shape, site_name,
+    SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, kind, is_scalar, normalized_dim, only_user,
+    propagate_meta, shape, site_name, value,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -38,6 +41,10 @@ class _Head:
     softcap: float = 0.0
     temperature: float = 1.0
     nodes: list[fx.Node] = field(default_factory=list)  # linear .. z, all replaced
+    # Token selections of the logits (`logits[:, :-1, :]`, as TRL writes it) moved onto the
+    # hidden states, innermost first, and the rank of the hidden states after them.
+    hidden_index: list = field(default_factory=list)
+    hidden_rank: int = 0
 
 
 def _softcap_input(node: fx.Node) -> tuple[fx.Node, float] | None:
@@ -56,9 +63,27 @@ def _softcap_input(node: fx.Node) -> tuple[fx.Node, float] | None:
     return None
 
 
+def _token_index(node: fx.Node):
+    """The index of `logits[index]` when it selects tokens only (slices, ints, None, Ellipsis)
+    and leaves the vocabulary dim whole: the same index then applies to the hidden states."""
+    index = node.args[1]
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(not (e is None or e is Ellipsis or isinstance(e, (int, slice))) for e in entries):
+        return None
+    rank = len(shape(node.args[0]))
+    if Ellipsis in entries:
+        trailing = [e for e in entries[entries.index(Ellipsis) + 1:] if e is not None]
+        whole_last = not trailing or trailing[-1] == slice(None)
+    else:
+        consuming = [e for e in entries if e is not None]
+        whole_last = len(consuming) < rank or (len(consuming) == rank and consuming[-1] == slice(None))
+    return index if whole_last else None
+
+
 def _trace_head(z: fx.Node) -> _Head:
     """Walk back from the log-softmax input to the lm-head linear."""
     nodes, post_scale, pre_scale, cap = [], 1.0, 1.0, 0.0
+    indexes, rank_after_index = [], None
     node = z
     while True:
         nodes.append(node)
@@ -68,10 +93,22 @@ def _trace_head(z: fx.Node) -> _Head:
             hidden, weight = arg(node, 0, "input"), arg(node, 1, "weight")
             if len(shape(weight) or ()) != 2:
                 raise Miss("lm-head weight is not 2-D")
+            if dtype(hidden) not in SUPPORTED_DTYPES or dtype(weight) != dtype(hidden):
+                raise Miss(f"hidden {dtype(hidden)} and lm-head weight {dtype(weight)}: the op takes one of "
+                           f"float32/float16/bfloat16 for both")
+            if is_empty(hidden):
+                raise Miss(f"zero-size hidden states {shape(hidden)}: nothing to accelerate")
             scale = pre_scale if cap else pre_scale * post_scale
             return _Head(hidden, weight, logit_scale=scale, softcap=cap,
-                         temperature=1.0 / post_scale if cap else 1.0, nodes=nodes[::-1])
-        if is_kind(node, "cast", "view"):
+                         temperature=1.0 / post_scale if cap else 1.0, nodes=nodes[::-1],
+                         hidden_index=indexes[::-1], hidden_rank=rank_after_index or len(shape(node)))
+        if is_kind(node, "getitem") and (index := _token_index(node)) is not None:
+            rank_after_index = rank_after_index or len(shape(node))
+            indexes.append(index)
+            node = node.args[0]
+        elif is_kind(node, "cast", "view"):
+            if is_kind(node, "view") and indexes:
+                raise Miss("logits selected after a reshape: the selection cannot move onto the hidden states")
             if is_kind(node, "cast") and dtype(node) not in (torch.float32, dtype(node.args[0])):
                 raise Miss(f"logits cast to {dtype(node)}")
             node = node.args[0]
@@ -95,7 +132,8 @@ def _trace_head(z: fx.Node) -> _Head:
             else:
                 post_scale *= factor
         else:
-            raise Miss(f"log-softmax input does not come from a linear (stopped at {node.target})")
+            stopped = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+            raise Miss(f"log-softmax input does not come from a linear (stopped at {stopped})")
         if len(node.users) != 1:
             raise Miss("the full logits are used elsewhere (e.g. returned to the caller)")
 
@@ -119,8 +157,11 @@ def _emit(graph: fx.Graph, head: _Head, targets, at: fx.Node, out_like: fx.Node,
             else:
                 flat_targets = graph.call_method("squeeze", (targets, -1))
         hidden = head.hidden
+        for index in head.hidden_index:
+            hidden = graph.call_function(operator.getitem, (hidden, index))
+            hidden.meta["example_value"] = value(hidden.args[0])[fx.node.map_arg(index, value)]
         target_rank = len(shape(targets)) - (1 if gather_index else 0)
-        if target_rank == 1 and len(shape(hidden)) > 2:  # logits were viewed as [tokens, V]
+        if target_rank == 1 and head.hidden_rank > 2:  # logits were viewed as [tokens, V]
             hidden = graph.call_method("flatten", (hidden, 0, -2))
         new = graph.call_function(
             selective_logprob, (hidden, head.weight, flat_targets),

@@ -1,0 +1,618 @@
+"""Architecture coverage of the fastgrpo backend: every causal LM of the installed transformers.
+
+For every model_type in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES this builds a tiny
+random-init model (fp32, two layers - or one per layer kind for hybrid models, experts and
+low-rank dimensions shrunk), compiles a GRPO-style completion log-prob function with
+`backend="fastgrpo"` (inner="eager" by default: the passes are what is measured), runs forward
+and backward and records, against the same model run eagerly:
+  - matched sites per pattern against what the model contains, counted from the eager run
+    (RMSNorm-like modules by class name, attention layers, gated MLPs and expert banks found
+    by their weight shapes, one lm-head);
+  - near misses with their reasons, graph breaks, and whether outputs and gradients equal eager.
+Encoder-decoder models, models that cannot be built tiny and models with none of RMSNorm,
+RoPE or a gated MLP are listed with the reason.
+
+    python bench/coverage.py                       # full sweep -> docs/SUPPORT.md, docs/support.json
+    python bench/coverage.py --archs llama,mixtral # a subset, printed (add --md/--json to write files)
+
+Nothing is cached: every run rebuilds and recompiles every model.
+"""
+import argparse
+import datetime
+import gc
+import json
+import multiprocessing
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import fastgrpo  # noqa: E402
+from fastgrpo.compiler.tiny import _SMALL, ALIASES  # noqa: E402
+
+PATTERNS = ("rms_norm", "rope", "gated_mlp", "selective_logprob")
+MAX_PARAMS = 20_000_000
+# Same tolerances as the pass tests (tests/tiny_models.assert_grads_close): fp32 log-probs within
+# 1e-5 (absolute plus relative), every gradient within 1e-4 of its largest eager magnitude.
+OUT_TOL, GRAD_REL_TOL = 1e-5, 1e-4
+
+# Config attributes that size experts, low-rank attention and linear-attention heads, and the
+# small value each gets (never larger than the default). Only attributes a config has are set.
+_SHRINK = {
+    # mixture of experts: few small experts, each token routed to two of them
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "zero_expert_num": 2,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_k": 2, "moe_topk": 2, "top_k_experts": 2,
+    "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "first_k_dense_replace": 1, "num_dense_layers": 1, "moe_layer_start_index": 1,
+    "moe_intermediate_size": 48, "shared_expert_intermediate_size": 48, "expert_ffn_hidden_size": 48,
+    "moe_shared_expert_intermediate_size": 48, "dense_intermediate_size": 96, "shared_intermediate_size": 48,
+    "ffn_hidden_size": 96, "router_hidden_size": 32,
+    # multi-head latent attention (DeepSeek and descendants)
+    "kv_lora_rank": 16, "q_lora_rank": 32, "o_lora_rank": 32,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32,
+    # sparse-attention indexers, linear attention, state-space and sliding-window branches
+    "index_n_heads": 2, "index_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_heads": 2, "linear_head_dim": 16,
+    "swa_num_attention_heads": 2, "swa_num_key_value_heads": 1, "swa_head_dim": 32,
+    # per-layer inputs; layers that reuse an earlier layer's keys and values (none of two layers can)
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0,
+}
+_LAYER_KIND_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type")
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+_MAX_LAYERS = 4
+
+
+def _distinct_kinds(default_config) -> dict[str, list]:
+    """For hybrid models: each per-layer kind list of the full-size default config reduced to one
+    layer of each kind, in first-seen order, so the tiny model keeps every kind of layer."""
+    kinds = {}
+    for name in _LAYER_KIND_LISTS:
+        values = getattr(default_config, name, None)
+        if isinstance(values, (list, tuple)) and values and not _read_only(type(default_config), name):
+            kinds[name] = list(dict.fromkeys(values))
+    return kinds
+
+
+def _read_only(config_class, name: str) -> bool:
+    """Attributes some configs derive (a property without a setter) and refuse as arguments."""
+    name = getattr(config_class, "attribute_map", {}).get(name, name)
+    attribute = getattr(config_class, name, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
+def _shrunk(values: dict, small: dict, config_class) -> dict:
+    """`small`'s sizes for the keys of `values` (never larger than the default; a size left
+    unset by the default, such as a top-k of None, gets the small value), with dropout and
+    router noise off. Keys may be the aliases of a config's `attribute_map` (GPT-2's n_embd ...)."""
+    aliases = getattr(config_class, "attribute_map", {})
+    out = {}
+    for key, target in small.items():
+        real = aliases.get(key, key)
+        if real not in values or _read_only(config_class, key):
+            continue
+        default = values[real]
+        if default is None or (isinstance(default, int) and not isinstance(default, bool)):
+            out[real] = target if default is None else min(target, default)
+    for key, default in values.items():  # eager and compiled must draw no random masks or noise
+        random = "dropout" in key or key.endswith("_pdrop") or "jitter" in key
+        if random and isinstance(default, float) and default > 0 and not _read_only(config_class, key):
+            out[key] = 0.0
+    return out
+
+
+def tiny_overrides(arch: str, attempt: int = 0) -> dict:
+    """Config arguments that make `arch` small enough to run here. Attempt 1 is a fallback for
+    models whose attention needs more (or more key/value) heads: four heads of 16, no grouping."""
+    config_class = type(transformers.AutoConfig.for_model(ALIASES.get(arch, arch)))
+    full = transformers.AutoConfig.for_model(config_class.model_type)
+    small = dict(_SMALL)
+    if attempt:
+        small |= dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    defaults = full.to_dict()
+    overrides = _shrunk(defaults, small | _SHRINK, config_class)
+    if "kv_lora_rank" in defaults:  # multi-head latent attention expands k and v to every head
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]
+    if "qk_rope_head_dim" in overrides and "qk_nope_head_dim" in overrides:
+        if "qk_head_dim" in defaults and not _read_only(config_class, "qk_head_dim"):
+            overrides["qk_head_dim"] = overrides["qk_rope_head_dim"] + overrides["qk_nope_head_dim"]
+        if defaults.get("head_dim") == defaults.get("qk_rope_head_dim") and "head_dim" in overrides:
+            overrides["head_dim"] = overrides["qk_rope_head_dim"]  # MLA: head_dim is the rotary width
+    if isinstance(defaults.get("rotary_dim"), int):  # an explicit rotary width: rotate half of each head
+        overrides["rotary_dim"] = small["hidden_size"] // small["num_attention_heads"] // 2
+    kinds = _distinct_kinds(full)
+    layers = min(_MAX_LAYERS, max([small["num_hidden_layers"], *map(len, kinds.values())]))
+    for name, values in kinds.items():
+        overrides[name] = (values * layers)[:layers]
+    if "num_hidden_layers" in overrides:
+        overrides["num_hidden_layers"] = layers
+    for key, sub in defaults.items():  # sub-configs (text, vision, ...): the same small sizes
+        if isinstance(sub, dict) and "model_type" in sub:
+            overrides[key] = _shrunk(sub, small | _SHRINK, type(getattr(full, key)))
+    return overrides
+
+
+def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float32, lora: bool = False, attempt: int = 0, seed: int = 0):
+    """A tiny random-init, dropout-free causal LM of `arch` in training mode (optionally with LoRA)."""
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(ALIASES.get(arch, arch), **tiny_overrides(arch, attempt))
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    for module in model.modules():  # dropout modules built with a hard-coded rate
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if lora:
+        import peft
+
+        # The attention and MLP projections, as fastgrpo.compiler.tiny targets them; not "all-linear",
+        # which also wraps MoE routers and expert banks (parametrized, and Dynamo breaks on them).
+        present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        targets = [t for t in _LORA_TARGETS if t in present]
+        lora_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                      target_modules=targets)
+        model = peft.get_peft_model(model, lora_config)
+    model.train()
+    return model
+
+
+# --- what the model contains, counted on the eager run -------------------------------------
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    """The module's own linear layers (a PEFT LoRA layer counts as the linear it wraps)."""
+    children = (getattr(child, "base_layer", child) for child in module.children())
+    return [child for child in children if isinstance(child, nn.Linear)]
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """Innermost module whose class is named *Attention (the layer's attention, not its wrapper)."""
+    name = type(module).__name__
+    if not name.endswith("Attention"):
+        return False
+    return not any(type(m).__name__.endswith("Attention") for m in module.modules() if m is not module)
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    """Two same-shape projections of one input and a down projection of their width, or one fused
+    [gate; up] projection (registered before the down projection) twice as wide as its input."""
+    linears = _linears(module)
+    if len(linears) == 3:
+        for a, b, down in ((linears[0], linears[1], linears[2]), (linears[0], linears[2], linears[1]),
+                           (linears[1], linears[2], linears[0])):
+            if (a.in_features, a.out_features) == (b.in_features, b.out_features) == (down.out_features, down.in_features):
+                return True
+    if len(linears) == 2:
+        fused, down = linears
+        return fused.out_features == 2 * down.in_features and fused.in_features == down.out_features
+    return False
+
+
+def _is_gated_experts(module: nn.Module) -> bool:
+    """A bank of experts stored as 3-D weights [E, ., .] with a gate: separate gate, up and down
+    weights, or a fused [gate; up] weight with a dim twice one of the down weight's (either layout)."""
+    weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    if len({w.shape[0] for w in weights}) != 1 or weights[0].shape[0] < 2:  # one weight per expert, several experts
+        return False
+    if len(weights) == 3:
+        return True
+    if len(weights) == 2:
+        a, b = (w.shape[1:] for w in weights)
+        return any(x == 2 * y for x in a for y in b) or any(y == 2 * x for x in a for y in b)
+    return False
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    """RMSNorm-like modules by class name: RMSNorm (with or without weight, gated or not) and
+    L2Norm (an RMSNorm without weight)."""
+    def named(m):
+        return "RMSNorm" in type(m).__name__ or "L2Norm" in type(m).__name__
+
+    # innermost only: a wrapper (AXK2's RMSNorm-then-sigmoid-gate) is counted through the norm it holds
+    return named(module) and not any(named(m) for m in module.modules() if m is not module)
+
+
+def _has_rope(model: nn.Module) -> bool:
+    """A rotary-embedding module was built (class name with "Rotary"), or the config asks for an
+    explicit rotary width (GPT-J and CodeGen rotate inside attention)."""
+    if any("Rotary" in type(m).__name__ for m in model.modules()):
+        return True
+    config = model.config.get_text_config()
+    return isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > 0
+
+
+def count_calls(model: nn.Module, run) -> dict[str, int]:
+    """How often RMSNorm-like modules, attention layers and gated MLPs / expert banks run in `run()`
+    (Dynamo unrolls every call into its own site), and how many attention modules ran at all (a
+    RoPE site is counted per attention module, however often a recurrent model calls it)."""
+    categories = {
+        "rms_norm": _is_rms_norm,
+        "attention": _is_attention,
+        "gated_mlp": lambda m: (_is_gated_mlp(m) and not _is_attention(m)) or _is_gated_experts(m),
+    }
+    counts = dict.fromkeys(categories, 0)
+    attention_modules = set()
+    handles = []
+
+    def hook(module, category):
+        counts[category] += 1
+        if category == "attention":
+            attention_modules.add(id(module))
+
+    for module in model.modules():
+        for category, test in categories.items():
+            if test(module):
+                handles.append(module.register_forward_hook(lambda m, args, out, category=category: hook(m, category)))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts | {"attention_modules": len(attention_modules)}
+
+
+# --- one architecture ----------------------------------------------------------------------
+
+class _Timeout(BaseException):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _step(fn, ids, advantages):
+    logps = fn(ids)
+    (logps * advantages).mean().backward()
+    return logps.detach()
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_grad_error(expected: dict, actual: dict) -> float:
+    """Largest error of any gradient relative to its largest eager value, with a floor of 1e-4 of
+    the largest gradient of the model: a gradient that is numerically zero next to the others
+    (DeepSeek-V4's hash router: 4e-9 beside 5) is compared on the model's scale."""
+    if expected.keys() != actual.keys():
+        return float("inf")
+    floor = 1e-4 * max((g.float().abs().max().item() for g in expected.values()), default=0.0)
+    worst = 0.0
+    for name, want in expected.items():
+        scale = max(want.float().abs().max().item(), floor, 1e-12)
+        worst = max(worst, (actual[name].float() - want.float()).abs().max().item() / scale)
+    return worst
+
+
+def _summarise(reports: list[dict]) -> dict:
+    """Per pattern: matched sites, their forms, near misses. RoPE is counted per attention module
+    (one site may rotate q and k together, or each alone when k is only computed after q is used)."""
+    out = {}
+    for name in PATTERNS:
+        records = [r["patterns"][name] for r in reports if name in r["patterns"]]
+        sites = [site for rec in records for site in rec["sites"]]
+        forms: dict[str, int] = {}
+        for site in sites:
+            forms[site["form"]] = forms.get(site["form"], 0) + 1
+        matched = len({s["site"] for s in sites}) if name == "rope" else len(sites)
+        out[name] = {"matched": matched, "sites": len(sites), "forms": forms,
+                     "near_misses": [m for rec in records for m in rec["near_misses"]]}
+    return out
+
+
+def _tiny_params(arch: str, attempt: int) -> int:
+    config = transformers.AutoConfig.for_model(ALIASES.get(arch, arch), **tiny_overrides(arch, attempt))
+    with torch.device("meta"):
+        return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+
+
+def completion_logps_fn(model):
+    """The GRPO log-prob computation: per-token log-probs of the next input token."""
+    def completion_logps(input_ids):
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        return logits.log_softmax(-1).gather(-1, input_ids.roll(-1, 1).unsqueeze(-1)).squeeze(-1)
+
+    return completion_logps
+
+
+def _eager_reference(arch: str, attempt: int, lora: bool, seq_len: int) -> dict:
+    """Build the tiny model and run the eager step, counting the modules that ran."""
+    params = _tiny_params(arch, attempt)
+    if params > MAX_PARAMS:
+        raise _TooLarge(f"{params / 1e6:.0f}M parameters after shrinking (a sub-model keeps its full size)")
+    model = tiny_causal_lm(arch, torch.float32, lora=lora, attempt=attempt)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(vocab, 128), (2, seq_len), generator=generator)
+    advantages = torch.randn(2, seq_len, generator=generator)
+    fn = completion_logps_fn(model)
+    out = {}
+    calls = count_calls(model, lambda: out.setdefault("logps", _step(fn, ids, advantages)))
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return dict(model=model, fn=fn, ids=ids, advantages=advantages, logps=out["logps"], grads=grads,
+                calls=calls, params=params)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = False, timeout: int = 600) -> dict:
+    """Build, compile and compare one architecture; never raises (errors are recorded)."""
+    from torch._dynamo.utils import counters
+
+    result = {"arch": arch, "status": None}
+    start = time.perf_counter()
+    old_handler = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    stage = "build"
+    try:
+        try:
+            default_config = transformers.AutoConfig.for_model(ALIASES.get(arch, arch))
+        except Exception as err:  # noqa: BLE001
+            result.update(status="skipped", reason=f"cannot be built tiny: {_one_line(err)}")
+            return result
+        if getattr(default_config, "is_encoder_decoder", False):
+            result.update(status="skipped", reason="encoder-decoder model")
+            return result
+        failures = []
+        for attempt in (0, 1):  # the second with four ungrouped heads (models that need more heads)
+            try:
+                ref = _eager_reference(arch, attempt, lora, seq_len)
+                break
+            except _TooLarge as err:
+                result.update(status="skipped", reason=f"cannot be built tiny: {err}")
+                return result
+            except Exception as err:  # noqa: BLE001
+                failures.append(_one_line(err))
+        else:
+            result.update(status="skipped", reason=f"cannot be built tiny: {failures[0]}"
+                          + (f" (with 4 heads: {failures[1]})" if failures[1] != failures[0] else ""))
+            return result
+        result["overrides"] = tiny_overrides(arch, attempt)
+        if failures:
+            result["note"] = f"built with 4 ungrouped heads (2 heads, 1 KV head failed: {failures[0]})"
+        model, calls = ref["model"], ref["calls"]
+        result["model_class"] = type(model).__name__
+        result["params"] = ref["params"]
+        result["modules"] = calls
+        result["expected"] = {
+            "rms_norm": calls["rms_norm"],
+            "rope": calls["attention_modules"] if _has_rope(model) else 0,
+            "gated_mlp": calls["gated_mlp"],
+            "selective_logprob": 1,
+        }
+        ids, advantages, expected = ref["ids"], ref["advantages"], {"out": ref["logps"]}
+        expected_grads, completion_logps = ref["grads"], ref["fn"]
+
+        stage = "compiled run"
+        fastgrpo.clear_fusion_reports()
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(completion_logps, backend="fastgrpo", options={"inner": inner})
+        actual = _step(compiled, ids, advantages)
+        actual_grads = _grads(model)
+        result["graphs"] = len(fastgrpo.fusion_reports())
+        result["graph_breaks"] = {reason: n for reason, n in counters["graph_break"].items()}
+        result["patterns"] = _summarise(fastgrpo.fusion_reports())
+        out_err = (actual - expected["out"]).abs().max().item() if actual.shape == expected["out"].shape else float("inf")
+        scale = expected["out"].abs().max().item()
+        result["output_error"] = out_err
+        result["grad_error"] = _max_grad_error(expected_grads, actual_grads)
+        result["equal"] = out_err <= OUT_TOL + OUT_TOL * scale and result["grad_error"] <= GRAD_REL_TOL
+        result["status"] = _status(result)
+    except _Timeout:
+        result |= {"status": "error", "reason": f"{stage}: timed out after {timeout} s"}
+    except Exception as err:  # noqa: BLE001 - the sweep records every failure and goes on
+        result |= {"status": "error", "reason": f"{stage}: {_one_line(err)}",
+                   "traceback": traceback.format_exc(limit=-4)[-2000:]}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_handler)
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        torch._dynamo.reset()
+        gc.collect()
+    return result
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+STATUSES = {
+    "full": "every site the model has is matched (more is fine: an `act(g) * u` outside an MLP module, a norm "
+            "written inline), no near miss, no graph break, equal to eager",
+    "explained": "equal to eager, no graph break, and every site is matched or reported as a near miss with its reason",
+    "incomplete": "equal to eager, but some sites are neither matched nor reported (a spelling the passes do not "
+                  "know, NoPE or linear-attention layers counted as RoPE sites), or graph breaks",
+    "mismatch": "compiled and eager results differ",
+    "out of scope": "no RMSNorm, RoPE or gated MLP",
+}
+
+
+def _reported(rec: dict, pattern: str) -> int:
+    """Sites a pattern matched or reported: RoPE per attention module (q and k may be reported apart)."""
+    misses = {m["site"] for m in rec["near_misses"]} if pattern == "rope" else rec["near_misses"]
+    return rec["matched"] + len(misses)
+
+
+def _status(result: dict) -> str:
+    expected, patterns = result["expected"], result["patterns"]
+    if not (expected["rms_norm"] or expected["rope"] or expected["gated_mlp"]) and not any(
+        patterns[p]["matched"] or patterns[p]["near_misses"] for p in ("rms_norm", "rope", "gated_mlp")
+    ):
+        return "out of scope"
+    if not result["equal"]:
+        return "mismatch"
+    if result["graph_breaks"]:
+        return "incomplete"
+    if all(patterns[p]["matched"] >= expected[p] and not patterns[p]["near_misses"] for p in PATTERNS):
+        return "full"
+    return "explained" if all(_reported(patterns[p], p) >= expected[p] for p in PATTERNS) else "incomplete"
+
+
+# --- the sweep and its report --------------------------------------------------------------
+
+def causal_lm_archs() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _worker(args):
+    arch, inner, seq_len, lora, timeout = args
+    _quiet()
+    return measure(arch, inner, seq_len, lora, timeout)
+
+
+def _quiet():
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+
+
+def _cell(result: dict, pattern: str) -> str:
+    rec = result["patterns"][pattern]
+    text = f"{rec['matched']}/{result['expected'][pattern]}"
+    if rec["near_misses"]:
+        text += f" ({len(rec['near_misses'])} near miss{'es' if len(rec['near_misses']) > 1 else ''})"
+    fallbacks = sum(n for form, n in rec["forms"].items() if form.startswith("act_mul"))
+    if fallbacks:
+        text += f" ({fallbacks} act_mul)"
+    return text
+
+
+def _notes(result: dict) -> str:
+    notes = []
+    for pattern in PATTERNS:
+        rec = result["patterns"][pattern]
+        reasons = {}
+        for miss in rec["near_misses"]:
+            reasons[miss["reason"]] = reasons.get(miss["reason"], 0) + 1
+        notes += [f"{pattern}: {reason}" + (f" (x{n})" if n > 1 else "") for reason, n in reasons.items()]
+        fallbacks = {form.split(": ", 1)[-1] for form in rec["forms"] if form.startswith("act_mul")}
+        notes += [f"{pattern} act_mul fallback: {why}" for why in sorted(fallbacks)]
+        unreported = result["expected"][pattern] - _reported(rec, pattern)
+        if unreported > 0:
+            notes.append(f"{pattern}: {unreported} site(s) neither matched nor reported")
+    for reason, n in result["graph_breaks"].items():
+        notes.append(f"graph break: {reason}" + (f" (x{n})" if n > 1 else ""))
+    if not result["equal"]:
+        notes.append(f"output error {result['output_error']:.1e}, gradient error {result['grad_error']:.1e}")
+    return "; ".join(notes).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown(results: list[dict], path: Path, inner: str, lora: bool, seq_len: int) -> None:
+    by_status: dict[str, list[dict]] = {}
+    for r in results:
+        by_status.setdefault(r["status"], []).append(r)
+    measured = [r for r in results if r["status"] in ("full", "explained", "incomplete", "mismatch")]
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# Architecture support",
+        "",
+        f"Generated by `bench/coverage.py` on {today} with transformers {transformers.__version__}, "
+        f"torch {torch.__version__}: every model_type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), "
+        f"built tiny and random-init (fp32, two layers or one per layer kind, experts shrunk), "
+        f"{'with LoRA, ' if lora else ''}compiled with `backend=\"fastgrpo\"` (inner=`{inner}`) around a "
+        f"completion log-prob function (batch 2, {seq_len} tokens), forward + backward, compared with eager.",
+        "",
+        "Cells are matched sites / sites the model has (counted on the eager run: RMSNorm-like modules by "
+        "class name; for RoPE, attention modules with a matched rotation / attention layers when the model uses "
+        "rotary embeddings; for the gated "
+        "MLP column gated MLPs and gated expert banks found by their weight shapes (more matches mean an "
+        "`act(g) * u` elsewhere: a gated norm, a Mamba gate); one lm-head). `act_mul` = the site matched but its "
+        "projections "
+        "could not be absorbed into the fused MLP op (it then saves gate and up). "
+        "Equal = log-probs within 1e-5 and every gradient within 1e-4 of its largest eager value (floored at 1e-4 "
+        "of the model's largest gradient). Site counts come from the compiled graphs: where a graph break splits "
+        "the decoder layers, one compiled layer serves several and the counts are per compiled graph.",
+        "",
+        "| status | count | meaning |",
+        "|---|---|---|",
+        *[f"| {status} | {len(by_status.get(status, []))} | {meaning} |" for status, meaning in STATUSES.items()],
+        f"| skipped | {len(by_status.get('skipped', []))} | encoder-decoder, or cannot be built tiny (reason below) |",
+        f"| error | {len(by_status.get('error', []))} | the compiled run failed (reason below) |",
+        "",
+        "## Measured architectures",
+        "",
+        "| arch | status | RMSNorm | RoPE | gated MLP | lm-head | graph breaks | equal | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(measured, key=lambda r: (list(STATUSES).index(r["status"]), r["arch"])):
+        lines.append(
+            f"| {r['arch']} | {r['status']} | {_cell(r, 'rms_norm')} | {_cell(r, 'rope')} | {_cell(r, 'gated_mlp')} | "
+            f"{_cell(r, 'selective_logprob')} | {sum(r['graph_breaks'].values())} | {'yes' if r['equal'] else 'NO'} | "
+            f"{_notes(r)} |"
+        )
+    lines += ["", "## Out of scope (no RMSNorm, RoPE or gated MLP)", ""]
+    lines.append(", ".join(r["arch"] for r in by_status.get("out of scope", [])) or "-")
+    lines += ["", "## Not measured", "", "| arch | status | reason |", "|---|---|---|"]
+    for r in sorted(by_status.get("skipped", []) + by_status.get("error", []), key=lambda r: r["arch"]):
+        lines.append(f"| {r['arch']} | {r['status']} | {r['reason'].replace('|', '/')} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", help="comma-separated model_types (default: every causal LM in transformers)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1: run in this process)")
+    parser.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
+    parser.add_argument("--seq-len", type=int, default=8)
+    parser.add_argument("--lora", action="store_true", help="wrap every model in PEFT LoRA first")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per architecture")
+    parser.add_argument("--md", type=Path, help="markdown output (default for a full sweep: docs/SUPPORT.md)")
+    parser.add_argument("--json", type=Path, help="JSON output (default for a full sweep: docs/support.json)")
+    args = parser.parse_args(argv)
+    _quiet()
+    archs = args.archs.split(",") if args.archs else causal_lm_archs()
+    if not args.archs:
+        args.md = args.md or REPO / "docs" / "SUPPORT.md"
+        args.json = args.json or REPO / "docs" / "support.json"
+    tasks = [(arch, args.inner, args.seq_len, args.lora, args.timeout) for arch in archs]
+    results = []
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            for r in pool.imap(_worker, tasks):
+                results.append(r)
+                _print(r)
+    else:
+        for task in tasks:
+            results.append(_worker(task))
+            _print(results[-1])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
+                "torch": torch.__version__, "inner": args.inner, "lora": args.lora, "seq_len": args.seq_len}
+        args.json.write_text(json.dumps({**meta, "results": results}, indent=1, default=str) + "\n")
+    if args.md:
+        write_markdown(results, args.md, args.inner, args.lora, args.seq_len)
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print("summary:", ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    return 0
+
+
+def _print(r: dict) -> None:
+    if r["status"] in ("full", "explained", "incomplete", "mismatch"):
+        cells = " ".join(f"{p}={_cell(r, p)}" for p in PATTERNS)
+        print(f"{r['arch']:26s} {r['status']:8s} {cells} breaks={sum(r['graph_breaks'].values())} "
+              f"equal={r['equal']} {r['seconds']}s  {_notes(r)}", flush=True)
+    else:
+        print(f"{r['arch']:26s} {r['status']:8s} {r.get('reason', '')} {r['seconds']}s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

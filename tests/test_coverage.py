@@ -1,0 +1,202 @@
+"""Breadth of the backend: a broad sample of architectures with no graph break and every site
+matched, dynamic sequence lengths without recompiles, and the inputs the ops cannot take
+(float64, very wide norms, empty tensors) left to the fallback path and reported, not failed.
+
+The architecture sample reuses bench/coverage.py (the full sweep over every causal LM of the
+installed transformers, which writes docs/SUPPORT.md)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import fastgrpo
+from bench.coverage import measure
+from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
+from tests.tiny_models import VOCAB, assert_grads_close, count_modules, grads, tiny_model
+
+PATTERNS = ("rms_norm", "rope", "gated_mlp", "selective_logprob")
+
+
+def _records(name):
+    return [r["patterns"][name] for r in fastgrpo.fusion_reports()]
+
+
+# One of each family of writing: q/k norms, sandwich norms and soft-capping, fused gate_up and
+# partial rotary, cast-after-multiply, MoE experts (plain, with a shared expert, with group
+# routing and multi-head latent attention with even/odd RoPE), complex-number RoPE and L2 norms,
+# linear attention with gated norms, LayerNorm with interleaved RoPE, sign-flipped RoPE followed
+# by q/k norms, casts inside the norm and the rotation (DeepSeek-V4).
+SAMPLE = ["qwen3", "gemma2", "phi3", "olmo2", "mixtral", "qwen2_moe", "deepseek_v3", "llama4", "qwen3_next", "cohere",
+          "nanochat", "deepseek_v4"]
+
+
+@pytest.mark.parametrize("arch", SAMPLE)
+def test_no_graph_break_and_every_site_matched(arch):
+    result = measure(arch, inner="eager", seq_len=8)
+    assert result["status"] not in ("skipped", "error"), result.get("reason")
+    assert result["graph_breaks"] == {}, result["graph_breaks"]
+    assert result["graphs"] == 1
+    for name in PATTERNS:
+        rec, want = result["patterns"][name], result["expected"][name]
+        assert rec["matched"] >= want, f"{name}: {rec['matched']} of {want} sites matched; {rec}"
+        assert not rec["near_misses"], f"{name}: {rec['near_misses']}"
+    assert result["equal"], f"output error {result['output_error']:.2e}, gradient error {result['grad_error']:.2e}"
+    assert result["status"] == "full"
+
+
+def test_unsupported_activation_is_explained_and_rope_halves_matched():
+    """GPT-OSS: RoPE written on the two halves is matched; its clamped swish with slope 1.702 is
+    not an activation the gated-MLP op has, and each expert bank says so."""
+    result = measure("gpt_oss", inner="eager", seq_len=8)
+    assert result["status"] == "explained", result
+    rope = result["patterns"]["rope"]
+    assert rope["matched"] == result["expected"]["rope"] and "halves rotated as written" in str(rope["forms"])
+    mlp = result["patterns"]["gated_mlp"]
+    assert len(mlp["near_misses"]) == result["expected"]["gated_mlp"]
+    assert all("swish with slope 1.702" in m["reason"] for m in mlp["near_misses"])
+
+
+def test_varying_prompt_and_completion_lengths_compile_at_most_twice():
+    """A GRPO step over 20 batches of different prompt + completion lengths: the first shape
+    compiles, the second recompiles with a dynamic sequence length, the rest reuse it."""
+    model = tiny_model("qwen3", lora=True)
+
+    def policy_loss(input_ids, completion_mask, advantages):
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = logits[:, :-1, :].float()  # as TRL does: position t predicts token t + 1
+        logps = logits.log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        mask = completion_mask[:, 1:]
+        return (logps * advantages[:, None] * mask).sum() / mask.sum()
+
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(policy_loss, backend="fastgrpo", options={"inner": "eager"})
+    generator = torch.Generator().manual_seed(0)
+    for step in range(20):
+        prompt, completion = (int(n) for n in torch.randint(3, 16, (2,), generator=generator))
+        ids = torch.randint(3, VOCAB, (2, prompt + completion), generator=generator)
+        mask = (torch.arange(prompt + completion) >= prompt).float().expand(2, -1)
+        advantages = torch.randn(2, generator=generator)
+        compiled(ids, mask, advantages).backward()
+    reports = fastgrpo.fusion_reports()
+    assert len(reports) <= 2, f"{len(reports)} compiles"
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert not counters["graph_break"]
+    layers = model.config.num_hidden_layers
+    for report in reports:  # the dynamic-shape graph still has every site
+        matched = {name: rec["matched"] for name, rec in report["patterns"].items()}
+        assert matched == {"selective_logprob": 1, "rms_norm": count_modules(model, "RMSNorm"),
+                           "rope": layers, "gated_mlp": layers}, matched
+    # The last step, compiled and eager, gives the same loss and gradients.
+    model.zero_grad()
+    loss = compiled(ids, mask, advantages)
+    loss.backward()
+    actual_grads = grads(model)
+    model.zero_grad()
+    expected = policy_loss(ids, mask, advantages)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads(model), actual_grads, rel=1e-4)
+
+
+def _compile_and_compare(fn, *inputs):
+    """fn compiled vs eager: outputs and the gradients of the inputs that require grad."""
+    expected = fn(*inputs)
+    expected.sum().backward()
+    expected_grads = [t.grad.clone() for t in inputs if t.requires_grad]
+    for t in inputs:
+        t.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="fastgrpo", options={"inner": "eager"})(*inputs)
+    actual.sum().backward()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip([t.grad for t in inputs if t.requires_grad], expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_float64_model_runs_eagerly_and_every_site_says_why():
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, VOCAB, (2, 9))
+
+    def logps(input_ids):
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        return logits.log_softmax(-1).gather(-1, input_ids.unsqueeze(-1)).squeeze(-1)
+
+    expected = logps(ids)
+    expected.sum().backward()
+    expected_grads = grads(model)
+    model.zero_grad()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(logps, backend="fastgrpo", options={"inner": "eager"})(ids)
+    actual.sum().backward()
+    layers = model.config.num_hidden_layers
+    for name, sites in (("rms_norm", count_modules(model, "RMSNorm")), ("rope", layers), ("gated_mlp", layers),
+                        ("selective_logprob", 1)):
+        (rec,) = _records(name)
+        assert rec["matched"] == 0, rec
+        # one near miss per site (RoPE: per attention module; q and k are each reported)
+        assert len({m["site"] for m in rec["near_misses"]}) == sites, rec
+        assert all("float64" in m["reason"] for m in rec["near_misses"]), rec
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    assert_grads_close(expected_grads, grads(model), rel=1e-10)
+
+
+def test_norm_wider_than_the_kernel_is_a_near_miss_at_compile_time():
+    hidden = MAX_HIDDEN_SIZE + 1
+    weight = torch.randn(hidden, requires_grad=True)
+
+    def norm(x):
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    _compile_and_compare(norm, torch.randn(2, hidden, requires_grad=True))
+    (rec,) = _records("rms_norm")
+    assert rec["matched"] == 0
+    assert f"hidden size {hidden} exceeds {MAX_HIDDEN_SIZE}" in rec["near_misses"][0]["reason"]
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _block(x, norm_w, w_qk, cos, sin, w_gate, w_up):
+    """An RMSNorm, RoPE on q and k and a SwiGLU, every input a strided view of a larger tensor."""
+    xf = x.float()
+    h = norm_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    qk = F.linear(h, w_qk).view(*h.shape[:-1], 2, 2, 8).transpose(1, 3)  # [B, heads, 2, S, D]
+    q, k = qk[:, :, 0], qk[:, :, 1]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    mlp = F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)
+    return q.sum() + k.sum() + mlp.sum()
+
+
+def _block_inputs(batch):
+    torch.manual_seed(0)
+    x = torch.randn(batch, 16, 5, requires_grad=True).transpose(1, 2)  # [B, 5, 16], last-dim stride 5
+    x.retain_grad()
+    angles = torch.randn(1, 1, 5, 4)
+    cos, sin = angles.cos().repeat(1, 1, 1, 2), angles.sin().repeat(1, 1, 1, 2)
+    return (x, torch.randn(16, requires_grad=True), torch.randn(32, 16, requires_grad=True), cos, sin,
+            torch.randn(24, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True))
+
+
+def test_non_contiguous_inputs_are_matched_and_exact():
+    inputs = _block_inputs(batch=3)
+    assert not inputs[0].is_contiguous()
+    _compile_and_compare(_block, *inputs)
+    for name in ("rms_norm", "rope", "gated_mlp"):
+        (rec,) = _records(name)
+        assert rec["matched"] == 1 and not rec["near_misses"], (name, rec)
+
+
+def test_zero_size_inputs_fall_back_and_are_reported():
+    inputs = _block_inputs(batch=0)
+    _compile_and_compare(_block, *inputs)
+    for name in ("rms_norm", "rope", "gated_mlp"):
+        (rec,) = _records(name)
+        assert rec["matched"] == 0, (name, rec)
+        assert rec["near_misses"] and all("zero-size" in m["reason"] for m in rec["near_misses"]), (name, rec)
