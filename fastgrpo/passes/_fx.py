@@ -189,6 +189,13 @@ def all_graph_modules(gm: fx.GraphModule):
             yield from all_graph_modules(child)
 
 
+def erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase the replaced pattern nodes, last first, skipping any still read elsewhere."""
+    for node in reversed(list(nodes)):
+        if node.graph is graph and not node.users:
+            graph.erase_node(node)
+
+
 def propagate_meta(new: fx.Node, like: fx.Node) -> None:
     for key in ("example_value", "val", "nn_module_stack", "stack_trace"):
         if key in like.meta:

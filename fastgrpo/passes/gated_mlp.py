@@ -20,6 +20,7 @@ from torch import fx
 
 from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
 from fastgrpo.passes._fx import (
+    erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, other_operand, propagate_meta, shape,
     site_name, strip_widening_casts,
 )
@@ -170,11 +171,6 @@ def _emit_fallback(graph: fx.Graph, product: fx.Node, activation: str, g: fx.Nod
     product.replace_all_uses_with(new)
 
 
-def _erase_dead(graph: fx.Graph, nodes) -> None:
-    for node in reversed(list(nodes)):
-        if node.graph is graph and not node.users:
-            graph.erase_node(node)
-
 
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
     graph = gm.graph
@@ -215,13 +211,13 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
             if any(user not in act_nodes for user in g.users) or len(u.users) != 1:
                 raise Unabsorbable("gate or up projection is used outside the MLP")
             _emit_fused(graph, product, activation, gate, up)
-            _erase_dead(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product])
+            erase_unused(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product])
             lora = "LoRA " if gate.lora_a is not None or up.lora_a is not None else ""
             fused = "fused gate_up, " if isinstance(gate.weight, tuple) else ""
             record.match(site, f"gated_mlp ({fused}{lora}{activation}, recomputes projections)")
         except Unabsorbable as why:
             _emit_fallback(graph, product, activation, g, u)
-            _erase_dead(graph, [*act_nodes, product])
+            erase_unused(graph, [*act_nodes, product])
             record.match(site, f"act_mul fallback ({activation}; saves gate and up): {why}")
     graph.lint()
     gm.recompile()

@@ -18,8 +18,9 @@ from torch import fx
 
 from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
 from fastgrpo.passes._fx import (
+    erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, is_tensor, is_widening_or_same,
-    kind, normalized_dim, only_user, other_operand, propagate_meta, shape, site_name, strip_widening_casts,
+    normalized_dim, only_user, other_operand, propagate_meta, shape, site_name, strip_widening_casts,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -246,20 +247,15 @@ def _replace(graph: fx.Graph, norm: _Norm, fuse_residual: bool) -> str:
             fused.meta["example_value"] = (total.meta.get("example_value"), normed.meta.get("example_value"))
             norm.out.replace_all_uses_with(normed)
             norm.source.replace_all_uses_with(total)
-            _erase(graph, norm.nodes + [norm.source])
+            erase_unused(graph, norm.nodes + [norm.source])
             return "add_rms_norm"
     with graph.inserting_before(norm.out):
         new = graph.call_function(ops.rms_norm.default, (norm.source, *tail))
     propagate_meta(new, norm.out)
     norm.out.replace_all_uses_with(new)
-    _erase(graph, norm.nodes)
+    erase_unused(graph, norm.nodes)
     return "rms_norm"
 
-
-def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    for node in reversed(nodes):
-        if not node.users and node.graph is graph:
-            graph.erase_node(node)
 
 
 def _form(norm: _Norm) -> str:

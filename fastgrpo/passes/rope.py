@@ -26,6 +26,7 @@ from torch import fx
 
 from fastgrpo.kernels import rope as _rope_ops  # noqa: F401  (registers the op)
 from fastgrpo.passes._fx import (
+    erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_widening_or_same, normalized_dim, only_user,
     other_operand, propagate_meta, shape, site_name, strip_widening_casts, value, value_key,
 )
@@ -317,9 +318,7 @@ def _emit(graph: fx.Graph, q: _Rotation, k: _Rotation) -> bool:
         propagate_meta(new, rot.out)
         rot.out.replace_all_uses_with(new)
     for rot in {id(q): q, id(k): k}.values():
-        for node in reversed(rot.nodes):
-            if node.graph is graph and not node.users:
-                graph.erase_node(node)
+        erase_unused(graph, rot.nodes)
     for unused in {k.cos, k.sin} - {q.cos, q.sin}:  # k's own copies of q's cos and sin
         _erase_if_dead(graph, unused)
     return True

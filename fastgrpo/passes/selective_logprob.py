@@ -21,6 +21,7 @@ from torch import fx
 
 from fastgrpo.kernels.selective_logprob import selective_logprob
 from fastgrpo.passes._fx import (
+    erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, kind, is_scalar, normalized_dim, only_user,
     propagate_meta, shape, site_name, value,
 )
@@ -198,7 +199,7 @@ def _match_log_softmax(graph: fx.Graph, node: fx.Node) -> str | None:
     else:
         out, keepdim = gather, True
     out.replace_all_uses_with(_emit(graph, head, targets, out, out, keepdim=keepdim))
-    _erase(graph, [*head.nodes, node, gather, out])
+    erase_unused(graph, [*head.nodes, node, gather, out])
     return "log_softmax + gather"
 
 
@@ -229,7 +230,7 @@ def _match_cross_entropy(graph: fx.Graph, node: fx.Node) -> str | None:
             raise Miss(f"cross_entropy reduction={reduction!r}")
     propagate_meta(result, node)
     node.replace_all_uses_with(result)
-    _erase(graph, [*head.nodes, node])
+    erase_unused(graph, [*head.nodes, node])
     return f"cross_entropy ({reduction})"
 
 
@@ -252,14 +253,9 @@ def _match_logsumexp(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     head = _trace_head(z)
     sub.replace_all_uses_with(_emit(graph, head, targets, sub, sub))
-    _erase(graph, [*head.nodes, gather, squeeze, node, sub])
+    erase_unused(graph, [*head.nodes, gather, squeeze, node, sub])
     return "gather - logsumexp"
 
-
-def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    for node in reversed(nodes):
-        if node.graph is graph and not node.users:
-            graph.erase_node(node)
 
 
 _ANCHORS = {"log_softmax": _match_log_softmax, "cross_entropy": _match_cross_entropy, "logsumexp": _match_logsumexp}
