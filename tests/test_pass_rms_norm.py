@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastgrpo
-from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, count_modules, grads, tiny_model
+from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, count_modules, eager_then_compiled, grads, tiny_model
 
 
 def _run(model, ids):
@@ -116,19 +116,10 @@ class _Norm(torch.nn.Module):
     "spelling", ["square", "x*x", "one_over_sqrt", "div_sqrt", "pow_half", "no_weight", "functional"]
 )
 def test_spellings_match(spelling):
-    norm = _Norm(spelling)
-    x = torch.randn(3, 5, 48, requires_grad=True)
-    expected = norm(x)
-    expected.sum().backward()
-    expected_grad = x.grad.clone()
-    x.grad = None
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(norm, backend="fastgrpo", options={"inner": "eager"})(x)
-    actual.sum().backward()
+    expected, expected_grad, actual, actual_grad = eager_then_compiled(_Norm(spelling), torch.randn(3, 5, 48, requires_grad=True))
     assert _rms_records()[0]["matched"] == 1, fastgrpo.format_reports(fastgrpo.fusion_reports())
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad, expected_grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-4, atol=1e-5)
 
 
 def test_reduction_over_another_dim_is_a_reported_near_miss():

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import fastgrpo
-from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, grads, tiny_model
+from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, eager_then_compiled, grads, tiny_model
 
 
 def _records(name):
@@ -120,20 +120,11 @@ class _BiasedMLP(torch.nn.Module):
 
 
 def test_unabsorbable_projections_fall_back_to_act_mul_and_say_why():
-    mlp = _BiasedMLP()
-    x = torch.randn(3, 7, 32, requires_grad=True)
-    expected = mlp(x)
-    expected.sum().backward()
-    expected_grad = x.grad.clone()
-    x.grad = None
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(mlp, backend="fastgrpo", options={"inner": "eager"})(x)
-    actual.sum().backward()
+    expected, expected_grad, actual, actual_grad = eager_then_compiled(_BiasedMLP(), torch.randn(3, 7, 32, requires_grad=True))
     (site,) = _records("gated_mlp")[0]["sites"]
     assert site["form"].startswith("act_mul fallback") and "bias" in site["form"]
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad, expected_grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_exact_gelu_is_a_reported_near_miss():

@@ -1,4 +1,6 @@
 """The architecture matrix the pass tests cover, on tiny random-init models (no downloads)."""
+import torch
+
 from fastgrpo.compiler.tiny import tiny_model
 
 VOCAB = 128
@@ -22,4 +24,19 @@ def assert_grads_close(expected: dict, actual: dict, rel: float) -> None:
         assert err <= rel, f"{name}: relative error {err:.2e}"
 
 
-__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close"]
+def eager_then_compiled(module, x, options=None):
+    """`module(x)` eager, then through the fastgrpo backend with fresh reports; each followed by
+    `.sum().backward()`. Returns (expected, expected x.grad, actual, actual x.grad)."""
+    import fastgrpo
+
+    expected = module(x)
+    expected.sum().backward()
+    expected_grad, x.grad = x.grad.clone(), None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(module, backend="fastgrpo", options={"inner": "eager", **(options or {})})(x)
+    actual.sum().backward()
+    return expected, expected_grad, actual, x.grad
+
+
+__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled"]
