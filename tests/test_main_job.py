@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastgrpo.integrations import main_job
 from fastgrpo.integrations.tasks import closeness_reward, format_reward, make_task_dataset
+from tests.tiny_models import tiny_tokenizer
 
 VOCAB = 256
 CHAT_TEMPLATE = (
@@ -26,16 +26,7 @@ def model_dir(tmp_path_factory):
     """A tiny Llama (head_dim 32) and a byte-level BPE tokenizer with a chat template, saved like a hub model."""
     path = tmp_path_factory.mktemp("tiny-llama")
     texts = [e["prompt"][-1]["content"] + " " + e["answer"] for e in make_task_dataset("chain_sum", size=64, seed=1)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts + [main_job.__doc__],
-        trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<pad>", "<eos>"],
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-    )  # fmt: skip
-    tok.add_tokens([f"<x{i}>" for i in range(VOCAB - tok.get_vocab_size())])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tokenizer = tiny_tokenizer(texts + [main_job.__doc__], VOCAB, bpe_vocab=VOCAB)
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
     config = LlamaConfig(

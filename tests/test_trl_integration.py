@@ -10,13 +10,13 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.grpo_config import GRPOConfig as StockGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
 
 import fastgrpo.integrations.trl as F
 from fastgrpo.integrations.precision import resolve_precision
+from tests.tiny_models import tiny_tokenizer
 
 VOCAB = 1024
 COMPILE_OPTIONS = {"inner": "aot_eager"}
@@ -32,18 +32,7 @@ def low_id_fraction(completion_ids, **kwargs):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        PROMPTS + ["the quick brown fox jumps", "a b c d e f g"],
-        trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<unk>", "<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
-    )
-    # Pad to exactly the model's vocabulary so any sampled id decodes.
-    tok.add_tokens([f"<x{i}>" for i in range(VOCAB - tok.get_vocab_size())])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    return tiny_tokenizer(PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], VOCAB)
 
 
 def tiny_model(tokenizer, seed=0, initializer_range=0.02):

@@ -12,8 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import fastgrpo.integrations.trl as F
 from fastgrpo.integrations.vllm import (
@@ -23,6 +22,7 @@ from fastgrpo.integrations.vllm import (
     unique_parameter_bytes,
     vllm_import_error,
 )
+from tests.tiny_models import tiny_tokenizer
 
 VOCAB = 1024
 PROMPTS = ["hello world", "count to ten"]
@@ -35,20 +35,7 @@ requires_vllm = pytest.mark.skipif(vllm_import_error() is not None, reason=f"no 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        PROMPTS + ["the quick brown fox jumps", "a b c d e f g"],
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=["<unk>", "<pad>", "<eos>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    # Exactly the model's vocabulary, so vLLM can detokenize any sampled id.
-    tok.add_tokens([f"<x{i}>" for i in range(VOCAB - tok.get_vocab_size())])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    return tiny_tokenizer(PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], VOCAB)
 
 
 def tiny_model(tokenizer, seed=0):

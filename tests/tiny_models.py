@@ -39,4 +39,22 @@ def eager_then_compiled(module, x, options=None):
     return expected, expected_grad, actual, x.grad
 
 
-__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled"]
+def tiny_tokenizer(texts: list[str], vocab: int, bpe_vocab: int = 300):
+    """A byte-level BPE tokenizer trained on `texts`, padded with added tokens to exactly `vocab`
+    entries so any id a model samples decodes (vLLM needs that); pad `<pad>`, eos `<eos>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(vocab_size=bpe_vocab, special_tokens=["<unk>", "<pad>", "<eos>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )  # fmt: skip
+    tok.add_tokens([f"<x{i}>" for i in range(vocab - tok.get_vocab_size())])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled", "tiny_tokenizer"]
