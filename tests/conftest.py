@@ -6,6 +6,10 @@ import torch
 if not torch.cuda.is_available():
     # No GPU: the Triton kernels run on CPU tensors through Triton's interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("FASTGRPO_TEST_DEVICE"):
+    # FASTGRPO_TEST_DEVICE=cuda runs the CPU tests on the GPU (every factory call and model lands there):
+    # how the pass tests, written for CI, are checked on the device.
+    torch.set_default_device(os.environ["FASTGRPO_TEST_DEVICE"])
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,7 +10,7 @@ from torch import fx
 
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report
-from fastgrpo.passes import PASSES
+from fastgrpo.passes import PASSES, autocast
 from fastgrpo.passes._fx import all_graph_modules
 
 
@@ -40,6 +40,11 @@ def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None
     """Registered as `torch.compile(..., backend="fastgrpo")` through the `torch_dynamo_backends` entry point."""
     opts = Options.parse(options)
     report = new_report(_kernels_used(example_inputs), opts.inner)
+    ambient = autocast.ambient_autocast(example_inputs)
+    if ambient is not None and opts.patterns:
+        device, to = ambient
+        count = sum(autocast.apply(sub, device, to) for sub in all_graph_modules(gm))
+        report.autocast = f"{str(to).removeprefix('torch.')} on {device}, casts written into {count} matmuls"
     for name in opts.patterns:
         record = report.record(name)
         for sub in all_graph_modules(gm):

@@ -10,6 +10,8 @@ class FusionReport:
     kernels: str
     inner: str
     patterns: dict[str, PatternRecord] = field(default_factory=dict)
+    # The ambient torch.autocast the graph was traced under, made explicit on its matmuls (None: off).
+    autocast: str | None = None
 
     def record(self, pattern: str) -> PatternRecord:
         return self.patterns.setdefault(pattern, PatternRecord(pattern))
@@ -19,6 +21,7 @@ class FusionReport:
             "graph": self.graph,
             "kernels": self.kernels,
             "inner": self.inner,
+            "autocast": self.autocast,
             "patterns": {name: rec.as_dict() for name, rec in self.patterns.items()},
         }
 
@@ -58,6 +61,7 @@ def format_reports(reports: list[dict]) -> str:
             misses += [(report["graph"], name, m) for m in rec["near_misses"]]
     kernels = sorted({r["kernels"] for r in reports})
     lines.append(f"kernels: {', '.join(kernels) or '-'}")
+    lines += sorted({f"autocast: {r['autocast']}" for r in reports if r.get("autocast")})
     if misses:
         lines.append("not accelerated:")
         lines += [f"  graph {g} {name} at {m['site']}: {m['reason']}" for g, name, m in misses]

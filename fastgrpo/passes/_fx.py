@@ -30,6 +30,10 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "mean": (torch.mean, torch.Tensor.mean, aten.mean.dim),
     "tanh": (torch.tanh, torch.Tensor.tanh, F.tanh, aten.tanh.default),
     "linear": (torch._C._nn.linear, F.linear, aten.linear.default),
+    "matmul": (operator.matmul, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
+               aten.matmul.default, aten.mm.default, aten.bmm.default),
+    "addmm": (torch.addmm, torch.Tensor.addmm, aten.addmm.default),
+    "baddbmm": (torch.baddbmm, torch.Tensor.baddbmm, aten.baddbmm.default),
     "silu": (F.silu, aten.silu.default),
     "relu": (F.relu, torch.relu, torch.Tensor.relu, aten.relu.default),
     "sigmoid": (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, aten.sigmoid.default),
@@ -55,6 +59,7 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
 # `call_method` names -> kind (casts all map to "cast": the dtype is read off the node's value).
 _METHODS = {name: name for name in _SPELLINGS} | {
     "reshape": "view", "to": "cast", "float": "cast", "type_as": "cast", "half": "cast", "bfloat16": "cast", "type": "cast",
+    "mm": "matmul", "bmm": "matmul", "__matmul__": "matmul",
     "__mul__": "mul", "__add__": "add", "__radd__": "add", "__rmul__": "mul", "__truediv__": "div",
 }
 _FUNCTIONS = {fn: kind for kind, fns in _SPELLINGS.items() for fn in fns}
