@@ -1,6 +1,7 @@
 """Benchmark fastgrpo::gated_mlp and fastgrpo::act_mul against eager, inductor and Liger (bf16, GPU).
 
     python bench/bench_gated_mlp.py            # H200: Qwen2.5-1.5B and Llama-8B MLPs, 32k tokens
+    python bench/bench_gated_mlp.py --tokens 131072 --shapes qwen2.5-1.5b   # long context
     python bench/bench_gated_mlp.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
 
 gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projection.
@@ -9,8 +10,11 @@ gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projecti
   that; liger is the same matmuls with LigerSiLUMulFunction for act*mul (what its SwiGLU MLP does).
   TFLOP/s counts model FLOPs (forward, dx, dW when trained; not fastgrpo's recompute).
   "saved MiB": memory held between forward and backward beyond the inputs.
+  fastgrpo walks the tokens in chunks (rows_per_chunk() rows, printed in the header), so its peak
+  beyond h and dx stays under ~1.5 x 256 MiB at any token count (LoRA; full fine-tuning adds
+  fp32 weight-gradient accumulators).
 act_mul: h = silu(g) * u on [tokens, I] bf16; GB/s over the bytes read and written once.
-Writes $OUT/bench_gated_mlp.json when OUT is set.
+Writes $OUT/bench_gated_mlp.json (bench_gated_mlp_<tokens>.json for other token counts) when OUT is set.
 """
 import argparse
 import json
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fastgrpo.kernels import gated_mlp as gated_mlp_module  # noqa: E402
 from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate)
@@ -133,9 +138,12 @@ def dry_run():
     for lora in (False, True):
         inputs = make_mlp_inputs(64, 96, 40, lora, "cpu")
         inputs = [t.float() if t is not None else None for t in inputs]
-        err = (fastgrpo_mlp(*inputs) - eager_mlp(*inputs)).abs().max().item()
-        print(f"dry-run gated_mlp lora={lora}: max |fastgrpo - eager| = {err:.2e}")
-        assert err < 1e-4
+        for rows_per_chunk in (None, 16):  # one chunk, then three
+            gated_mlp_module.ROWS_PER_CHUNK = rows_per_chunk
+            err = (fastgrpo_mlp(*inputs) - eager_mlp(*inputs)).abs().max().item()
+            print(f"dry-run gated_mlp lora={lora} rows_per_chunk={rows_per_chunk}: max |fastgrpo - eager| = {err:.2e}")
+            assert err < 1e-4
+        gated_mlp_module.ROWS_PER_CHUNK = None
     g, u = torch.randn(2, 40, 96, 2).unbind(-1)
     err = (act_mul(g, u) - F.silu(g) * u).abs().max().item()
     print(f"dry-run act_mul: max |fastgrpo - eager| = {err:.2e}")
@@ -145,10 +153,14 @@ def dry_run():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="rows of x (default %(default)s)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
         return
+    tokens = args.tokens
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     device = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
     providers = {"fastgrpo": fastgrpo_mlp, "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
@@ -156,12 +168,12 @@ def main():
     if liger is not None:
         providers["liger"] = liger
     rows = []
-    for name, (hidden, inter) in SHAPES.items():
+    for name, (hidden, inter) in shapes.items():
         for lora in (False, True):
-            inputs = make_mlp_inputs(hidden, inter, TOKENS, lora, device)
+            inputs = make_mlp_inputs(hidden, inter, tokens, lora, device)
             ref = eager_mlp(*[t.double() if t is not None else None for t in inputs]).float()
             err = (fastgrpo_mlp(*inputs).float() - ref).abs().max().item()
-            flops_fwd, flops_bwd = mlp_flops(hidden, inter, TOKENS, lora)
+            flops_fwd, flops_bwd = mlp_flops(hidden, inter, tokens, lora)
             for mode in ("fwd", "full"):
                 for provider, fn in providers.items():
                     (ms, lo, hi), peak, saved = bench_mlp(fn, inputs, mode, device)
@@ -171,8 +183,8 @@ def main():
                                      peak_mib=None if peak is None else peak / 2**20,
                                      saved_mib=None if saved is None else saved / 2**20, max_abs_err_fwd=err))
             del inputs
-        g = torch.randn(TOKENS, inter, device=device, dtype=torch.bfloat16)
-        u = torch.randn(TOKENS, inter, device=device, dtype=torch.bfloat16)
+        g = torch.randn(tokens, inter, device=device, dtype=torch.bfloat16)
+        u = torch.randn(tokens, inter, device=device, dtype=torch.bfloat16)
         act_providers = {
             "fastgrpo": lambda a, b: act_mul(a, b, "silu"),
             "eager": lambda a, b: F.silu(a) * b,
@@ -191,7 +203,9 @@ def main():
         fast = next(o for o in rows if o["provider"] == "fastgrpo" and all(
             o[key] == r[key] for key in ("op", "shape", "variant", "mode")))
         r["speedup_vs"] = r["ms"] / fast["ms"]  # >1: fastgrpo is faster than this provider
-    print(f"\nGated MLP, bf16, {TOKENS} tokens, {torch.cuda.get_device_name()}")
+    chunks = ", ".join(f"{name} {gated_mlp_module.rows_per_chunk(inter, torch.bfloat16)}"
+                       for name, (_, inter) in shapes.items())
+    print(f"\nGated MLP, bf16, {tokens} tokens, {torch.cuda.get_device_name()}; fastgrpo rows per chunk: {chunks}")
     print("| op | shape | variant | mode | provider | ms (p20-p80) | TFLOP/s or GB/s | peak MiB | saved MiB | provider ms / fastgrpo ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -201,8 +215,9 @@ def main():
         print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['mode']} | {r['provider']} | "
               f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) | {rate} | {peak} | {saved} | {r['speedup_vs']:.2f} |")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_gated_mlp.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), tokens=TOKENS, rank=RANK, rows=rows), f, indent=1)
+        suffix = "" if tokens == TOKENS else f"_{tokens}"
+        with open(os.path.join(os.environ["OUT"], f"bench_gated_mlp{suffix}.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), tokens=tokens, rank=RANK, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The step of bench/grpo_step.py's fastgrpo system (Qwen2.5-1.5B shape, bf16, LoRA
 completions of a 256-token prompt, decoder layers compiled one region each with backend="fastgrpo",
 log-probs through fastgrpo::selective_logprob), on ONE model compiled once, under:
   checkpoint   HF non-reentrant gradient checkpointing (what grpo_step.py measures)
-  offload      fastgrpo.integrations.offload: layer inputs in pinned host buffers, side-stream copies
+  offload      fastgrpo.compiler.offload: layer inputs in pinned host buffers, side-stream copies
   hf-offload   (opt-in) transformers' own gradient_checkpointing_enable(offload=True), where supported
 Goals (issue 7): offload <= 1.03x checkpoint's step time; at 16384 completions peak <= 16 GiB.
 Also reported: the largest gradient difference against the checkpoint run on the same batch, beside
@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import grpo_step  # noqa: E402
-from grpo_step import GROUP, PROMPT, build_policy, make_step  # noqa: E402
+from grpo_step import GROUP, PROMPT, build_policy, make_step, with_mixed_precision  # noqa: E402
 
 import fastgrpo  # noqa: E402
-from fastgrpo.integrations.offload import enable_offloaded_checkpointing  # noqa: E402
+from fastgrpo.compiler.offload import enable_offloaded_checkpointing  # noqa: E402
 
 # DESIGN.md §4 (H200, 2026-11-29): Unsloth's step, ms and peak GiB (+11.4 GB host RAM at 16384).
 UNSLOTH = {1024: (301, 4.61), 4096: (952, 8.17), 16384: (4666, 22.4)}
@@ -49,7 +49,8 @@ def make_batch(model, completion: int):
 def step_grads(model, completion: int) -> torch.Tensor:
     """The trainable parameters' gradients after one step on the fixed batch, on the host (so that
     keeping them does not count in the device peak of the next measurement)."""
-    make_step("fastgrpo", model, completion)(*make_batch(model, completion))
+    batch = make_batch(model, completion)
+    with_mixed_precision(make_step("fastgrpo", model, completion), batch[0].device)(*batch)
     grads = torch.cat([p.grad.flatten().float().cpu() for p in model.parameters() if p.requires_grad and p.grad is not None])
     model.zero_grad(set_to_none=True)
     return grads
@@ -61,7 +62,7 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
               "tokens_per_s": None, "error": None}
     try:
         batch = make_batch(model, completion)
-        step = make_step("fastgrpo", model, completion)
+        step = with_mixed_precision(make_step("fastgrpo", model, completion), batch[0].device)
         for _ in range(warmup):
             step(*batch)
             model.zero_grad(set_to_none=True)

@@ -2,15 +2,32 @@
 
 Qwen2.5-1.5B shape, random bf16 weights, LoRA r=16 on q,k,v,o,gate,up,down, non-reentrant
 gradient checkpointing, G=8 completions of a 256-token prompt, TRL's per-sequence-mean GRPO
-loss with beta=0. Systems (each in this process, one after another):
+loss with beta=0, every system under bf16 autocast as TRL's `bf16=True` runs it (PEFT keeps the adapters in
+fp32; autocast runs their matmuls in bf16). Systems (each in this process, one after another):
   eager     TRL's way: full logits, per-row bf16 log_softmax + gather
   inductor  the same, decoder layers compiled by inductor (one region per layer)
   liger     Liger rope/rms_norm/swiglu + LigerFusedLinearGRPOLoss on hidden states
   fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
+            (backend option absorb_mlp_projections=False: the gated MLP keeps gate and up, as the TRL
+            integration does under gradient checkpointing)
+  fastgrpo_mlp_op  the same with the gated-MLP op recomputing the projections (its recompute is
+            paid twice under checkpointing: less memory, more time)
+  fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
+  fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
+            (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
+            on CUDA, log-probs only at completion positions); the plan and mask are built inside
+            the timed step
+  fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
+--spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
+(`spread_lengths`, fixed seed: the same batch for every system and for
+bench/peers/unsloth_step.py --spread); padded systems get the batch right-padded to its
+longest row, as TRL pads it, and tokens/s counts real tokens only (G*P + sum of lengths).
+--prompt sets the prompt length (comma list: each is a separate table row).
 Unsloth runs separately (bench/peers/unsloth_step.py, its own site-packages); pass its
 JSON lines with --merge to print one table with ratios.
 
     python bench/grpo_step.py --systems eager,inductor,liger,fastgrpo --completions 1024,4096,16384
+    python bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --prompt 256,1024
     python bench/grpo_step.py --merge $OUT/grpo_step.jsonl $OUT/unsloth_step.jsonl
 """
 import argparse
@@ -24,6 +41,27 @@ import torch
 
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 DYNAMIC = True  # one compile serves every completion length
+# fastgrpo variants: backend options of each.
+# Checkpointing is on in every system here, so fastgrpo keeps the MLP's gate and up (what the TRL integration
+# does then); fastgrpo_mlp_op measures the alternative, the gated-MLP op recomputing them.
+_CHECKPOINTED = {"absorb_mlp_projections": False}
+FASTGRPO_OPTIONS = {
+    "fastgrpo": _CHECKPOINTED,
+    "fastgrpo_mlp_op": None,
+    "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob"]},
+    "fastgrpo_packed": _CHECKPOINTED,
+    "fastgrpo_shared": _CHECKPOINTED,
+}
+# Packed variants: whether the group's prompt is shared.
+PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True}
+
+
+def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:
+    """Completion lengths of one group, uniform in [10 %, 100 %] of `completion` (fixed seed per length).
+
+    bench/peers/unsloth_step.py --spread imports this, so Unsloth times exactly the same batches."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + completion)
+    return torch.randint(max(1, completion // 10), completion + 1, (group,), generator=generator).tolist()
 
 
 def qwen25_15b_config(max_len: int):
@@ -64,10 +102,10 @@ def build_policy(system: str, max_len: int, tiny: bool):
 
         for block in repeated_blocks(base):
             block.compile(dynamic=DYNAMIC)
-    elif system == "fastgrpo":
+    elif system in FASTGRPO_OPTIONS:
         import fastgrpo
 
-        fastgrpo.compile_repeated_blocks(base, dynamic=DYNAMIC)
+        fastgrpo.compile_repeated_blocks(base, options=FASTGRPO_OPTIONS[system], dynamic=DYNAMIC)
     return model
 
 
@@ -84,11 +122,29 @@ def selective_log_softmax_bf16(logits: torch.Tensor, index: torch.Tensor) -> tor
     return torch.stack(rows)
 
 
-def make_step(system: str, model, completion: int):
+def make_step(system: str, model, completion: int, prompt: int = PROMPT):
     base = model.get_base_model()
     head = base.get_output_embeddings().weight
 
-    if system in ("eager", "inductor"):
+    if system in PACKED:
+        from fastgrpo.integrations.packing import Packer, attention_implementation
+        from fastgrpo.kernels.selective_logprob import selective_logprob
+
+        packer = Packer(share_prompt=PACKED[system])
+
+        def step(ids, mask, adv):
+            # TRL's rows: [prompt | completion], the completion's padding masked out of attention and labels.
+            attention_mask = torch.cat([torch.ones_like(ids[:, :prompt]), mask.to(ids.dtype)], 1)
+            labels = ids.masked_fill(attention_mask == 0, -100)
+            labels[:, :prompt] = -100
+            call = packer.prepare(base, {"input_ids": ids, "attention_mask": attention_mask}, labels, prompt)
+            if call is None:
+                raise RuntimeError(f"{system}: the batch was not packed ({sorted(packer.said)})")
+            with attention_implementation(base.config, call.implementation):
+                hidden = base.get_decoder()(**call.kwargs).last_hidden_state[0, call.plan.source]
+            logps = call.plan.scatter(selective_logprob(hidden, head, call.plan.targets))[:, prompt - 1:]
+            grpo_loss(logps, mask, adv).backward()
+    elif system in ("eager", "inductor"):
         def step(ids, mask, adv):
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=completion + 1).logits[:, :-1]
             logps = selective_log_softmax_bf16(logits, ids[:, -completion:])
@@ -102,7 +158,7 @@ def make_step(system: str, model, completion: int):
             hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, -completion - 1:-1]
             out = loss_fn(hidden, head, ids[:, -completion:], mask, adv)
             (out[0] if isinstance(out, tuple) else out).backward()
-    elif system == "fastgrpo":
+    elif system in FASTGRPO_OPTIONS:
         from fastgrpo.kernels.selective_logprob import selective_logprob
 
         def step(ids, mask, adv):
@@ -113,27 +169,63 @@ def make_step(system: str, model, completion: int):
     return step
 
 
-def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool) -> list[dict]:
+def with_mixed_precision(step, device: torch.device):
+    """The step under bf16 autocast, as TRL's trainer runs it with `bf16=True` (accelerate's mixed precision)."""
+    def mixed_precision_step(*args):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            step(*args)
+
+    return mixed_precision_step
+
+
+def profile_step(step, args, label: str, rows: int = 30) -> None:
+    """Print the kernels that take the step's time (one step under torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"PROFILE {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70),
+          flush=True)
+
+
+def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
+    """One group: G rows behind the same prompt; with `spread`, right-padded to the longest of spread_lengths.
+    Returns ids [G, prompt + width], completion mask [G, width], advantages [G], real tokens."""
+    lengths = spread_lengths(completion) if spread else [completion] * GROUP
+    width = max(lengths)
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocab, (GROUP, prompt + width), device=device)
+    ids[:, :prompt] = ids[0, :prompt]
+    mask = (torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]).float()
+    adv = torch.randn(GROUP, device=device)
+    return ids, mask, adv, GROUP * prompt + sum(lengths), lengths
+
+
+def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool,
+        profile_at: int | None = None, prompt: int = PROMPT, spread: bool = False) -> list[dict]:
     results = []
     try:
-        model = build_policy(system, PROMPT + max(completions) + 8, tiny)
+        model = build_policy(system, prompt + max(completions) + 8, tiny)
     except Exception as err:  # e.g. a peer that is not installed
         for completion in completions:
-            result = {"system": system, "completion": completion, "error": f"{type(err).__name__}: {str(err)[:200]}"}
+            result = {"system": system, "prompt": prompt, "completion": completion, "spread": spread,
+                      "error": f"{type(err).__name__}: {str(err)[:200]}"}
             print("RESULT " + json.dumps(result), flush=True)
             results.append(result)
         return results
     vocab = model.config.vocab_size
     device = next(model.parameters()).device
     for completion in completions:
-        result = {"system": system, "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
-                  "tokens_per_s": None, "error": None}
+        result = {"system": system, "prompt": prompt, "completion": completion, "spread": spread, "ms_median": None,
+                  "ms_all": [], "peak_gib": None, "tokens_per_s": None, "error": None}
         try:
-            torch.manual_seed(0)
-            ids = torch.randint(0, vocab, (GROUP, PROMPT + completion), device=device)
-            mask = torch.ones(GROUP, completion, device=device)
-            adv = torch.randn(GROUP, device=device)
-            step = make_step(system, model, completion)
+            ids, mask, adv, tokens, lengths = make_batch(vocab, prompt, completion, spread, device)
+            result.update(tokens=tokens, lengths=lengths)
+            step = with_mixed_precision(make_step(system, model, mask.shape[1], prompt), device)
             for _ in range(warmup):
                 step(ids, mask, adv)
                 model.zero_grad(set_to_none=True)
@@ -148,9 +240,12 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                     torch.cuda.synchronize()
                 times.append((time.perf_counter() - start) * 1e3)
                 model.zero_grad(set_to_none=True)
+            if completion == profile_at:
+                profile_step(step, (ids, mask, adv), f"{system} completion={completion}")
+                model.zero_grad(set_to_none=True)
             median = statistics.median(times)
             result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
-                          tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3))
+                          tokens_per_s=round(tokens / median * 1e3))
             if device.type == "cuda":
                 result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         except torch.OutOfMemoryError:
@@ -162,29 +257,38 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             torch.cuda.empty_cache()
         print("RESULT " + json.dumps(result), flush=True)
         results.append(result)
-    if system == "fastgrpo":
+    if system in FASTGRPO_OPTIONS:
         import fastgrpo
 
         matched = {}
         for report in fastgrpo.fusion_reports():
             for name, rec in report["patterns"].items():
                 matched[name] = matched.get(name, 0) + rec["matched"]
-        print(f"fastgrpo: {len(fastgrpo.fusion_reports())} graphs compiled, sites matched per graph: {matched}")
+        print(f"{system}: {len(fastgrpo.fusion_reports())} graphs compiled, sites matched: {matched}")
+        fastgrpo.clear_fusion_reports()
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return results
 
 
+def case_key(r: dict) -> tuple:
+    """The batch a result timed: (prompt, completion, spread); older records have no prompt/spread."""
+    return r.get("prompt", PROMPT), r["completion"], bool(r.get("spread", False))
+
+
 def table(results: list[dict]) -> str:
-    by = {(r["system"], r["completion"]): r for r in results}
-    systems = [s for s in ("eager", "inductor", "liger", "unsloth", "fastgrpo") if any(k[0] == s for k in by)]
-    lines = ["| completion | " + " | ".join(systems) + " | fastgrpo tok/s vs unsloth | fastgrpo mem vs unsloth | vs inductor tok/s | vs liger mem |",
-             "|---" * (len(systems) + 5) + "|"]
-    for completion in sorted({k[1] for k in by}):
+    by = {(r["system"], case_key(r)): r for r in results}
+    order = ["eager", "inductor", "liger", "unsloth", *FASTGRPO_OPTIONS]
+    systems = [s for s in order if any(k[0] == s for k in by)]
+    best = [s for s in ("fastgrpo_shared", "fastgrpo_packed", "fastgrpo") if s in systems]
+    lines = ["| prompt / completion | " + " | ".join(systems) + " | fastgrpo tok/s vs unsloth | fastgrpo mem vs unsloth"
+             " | vs inductor tok/s | vs liger mem | packed / shared tok/s vs padded fastgrpo | best fastgrpo vs unsloth |",
+             "|---" * (len(systems) + 7) + "|"]
+    for case in sorted({k[1] for k in by}):
         cells = []
         for s in systems:
-            r = by.get((s, completion))
+            r = by.get((s, case))
             if r is None:
                 cells.append("-")
             elif r["error"]:
@@ -193,14 +297,19 @@ def table(results: list[dict]) -> str:
                 cells.append(f"{r['ms_median']:.0f} ms, {r['peak_gib']} GiB, {r['tokens_per_s']} tok/s")
 
         def ratio(a, b, key, invert=False):
-            ra, rb = by.get((a, completion)), by.get((b, completion))
+            ra, rb = by.get((a, case)), by.get((b, case))
             if not ra or not rb or ra["error"] or rb["error"] or not ra[key] or not rb[key]:
                 return "-"
             return f"{(rb[key] / ra[key] if invert else ra[key] / rb[key]):.2f}x"
 
         cells += [ratio("fastgrpo", "unsloth", "tokens_per_s"), ratio("fastgrpo", "unsloth", "peak_gib"),
-                  ratio("fastgrpo", "inductor", "tokens_per_s"), ratio("fastgrpo", "liger", "peak_gib")]
-        lines.append(f"| {completion} | " + " | ".join(cells) + " |")
+                  ratio("fastgrpo", "inductor", "tokens_per_s"), ratio("fastgrpo", "liger", "peak_gib"),
+                  f'{ratio("fastgrpo_packed", "fastgrpo", "tokens_per_s")} / {ratio("fastgrpo_shared", "fastgrpo", "tokens_per_s")}']
+        fastest = max((by[(s, case)] for s in best if (s, case) in by and not by[(s, case)]["error"]),
+                      key=lambda r: r["tokens_per_s"] or 0, default=None)
+        cells.append("-" if fastest is None else f'{fastest["system"]}: ' + ratio(fastest["system"], "unsloth", "tokens_per_s"))
+        prompt, length, spread = case
+        lines.append(f"| {prompt} / {length}{' spread' if spread else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -208,8 +317,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="eager,inductor,liger,fastgrpo")
     parser.add_argument("--completions", default="1024,4096,16384")
+    parser.add_argument("--prompt", default=str(PROMPT), help="prompt length(s), comma-separated")
+    parser.add_argument("--spread", action="store_true",
+                        help="completion lengths uniform in [10 %%, 100 %%] of each --completions value (fixed seed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile-at", type=int, help="profile one step of each system at this completion length")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()
@@ -219,8 +332,10 @@ def main() -> int:
         return 0
     completions = [int(c) for c in args.completions.split(",")]
     results = []
-    for system in args.systems.split(","):
-        results += run(system, completions, args.warmup, args.repeat, args.tiny)
+    for prompt in [int(p) for p in args.prompt.split(",")]:
+        for system in args.systems.split(","):
+            results += run(system, completions, args.warmup, args.repeat, args.tiny, args.profile_at, prompt,
+                           args.spread)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grpo_step.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)

@@ -1,7 +1,7 @@
 """Memory over a long run: 200 GRPO policy steps of bench/grpo_step.py's fastgrpo system (GPU).
 
 Qwen2.5-1.5B shape, LoRA r=16, G=8, prompt 256, completion lengths drawn anew every step (what GRPO
-batches do), one optimizer (AdamW on the LoRA parameters) stepping each time. Records the memory
+batches do), one optimizer (AdamW on the LoRA parameters) stepping each time, bf16 autocast as in grpo_step.py. Records the memory
 held between steps (torch.cuda.memory_allocated after the optimizer step) and each window's peak,
 so a leak (a cache growing per shape, saved tensors kept alive, recompiles piling up graphs) shows
 as a rising line. Issue 8's criterion: flat from step 50 to the end.
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_step import GROUP, PROMPT, build_policy, make_step  # noqa: E402
+from grpo_step import GROUP, PROMPT, build_policy, make_step, with_mixed_precision  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +42,8 @@ def main() -> int:
         completion = lengths.randint(args.min_completion, args.max_completion)
         ids = torch.randint(0, model.config.vocab_size, (GROUP, PROMPT + completion), device=device)
         mask = torch.ones(GROUP, completion, device=device)
-        make_step("fastgrpo", model, completion)(ids, mask, torch.randn(GROUP, device=device))
+        step = with_mixed_precision(make_step("fastgrpo", model, completion), device)
+        step(ids, mask, torch.randn(GROUP, device=device))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:

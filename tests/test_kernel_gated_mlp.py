@@ -1,6 +1,7 @@
 """fastgrpo::gated_mlp and fastgrpo::act_mul against float64 references, HF modules and PEFT
 (torch path and Triton path)."""
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -8,6 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastgrpo.kernels import gated_mlp as gated_mlp_module
 from fastgrpo.kernels._dispatch import triton_on_cpu
 from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp
 
@@ -24,6 +28,16 @@ def path_ctx(path):
     """"torch": CPU torch implementation; "triton": Triton kernels through the interpreter on CPU
     tensors; "cuda": CUDA tensors (Triton kernels compiled for the GPU)."""
     return triton_on_cpu() if path == "triton" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def rows_per_chunk(rows):
+    """Force gated_mlp to walk x in chunks of `rows` rows (None: its own sizing, one chunk at test sizes)."""
+    previous, gated_mlp_module.ROWS_PER_CHUNK = gated_mlp_module.ROWS_PER_CHUNK, rows
+    try:
+        yield
+    finally:
+        gated_mlp_module.ROWS_PER_CHUNK = previous
 
 
 def act64(t, activation):
@@ -106,10 +120,9 @@ def make_mlp(c, device="cpu"):
     return x, w_gate, w_up, leaves, (ga, gb, ua, ub)
 
 
-def check_mlp(c, path, device="cpu"):
+def mlp_leaves(c, device="cpu"):
+    """make_mlp's inputs with gradients required per the case: (x, w_gate, w_up, factors, leaves)."""
     x, w_gate, w_up, weight_leaves, factors = make_mlp(c, device)
-    dtype = c["dtype"]
-    scale, activation = c["scale"], c["activation"]
     x = x.detach().requires_grad_(c["x_grad"])
     for w in weight_leaves:
         w.requires_grad_(c["train_base"])
@@ -126,7 +139,14 @@ def check_mlp(c, path, device="cpu"):
         w_gate, w_up = weight_leaves[0][: c["inter"]], weight_leaves[0][c["inter"]:]
     else:
         w_gate, w_up = weight_leaves
-    with path_ctx(path):
+    return x, w_gate, w_up, factors, leaves
+
+
+def check_mlp(c, path, device="cpu"):
+    x, w_gate, w_up, factors, leaves = mlp_leaves(c, device)
+    dtype = c["dtype"]
+    scale, activation = c["scale"], c["activation"]
+    with path_ctx(path), rows_per_chunk(c["rows_per_chunk"]):
         h = gated_mlp(x, w_gate, w_up, *factors, scale, activation)
     assert h.dtype == dtype and h.shape == (*x.shape[:-1], c["inter"]) and h.is_contiguous()
 
@@ -151,7 +171,7 @@ def check_mlp(c, path, device="cpu"):
         return
     gen = torch.Generator().manual_seed(c["seed"] + 1)
     dh = torch.randn(*reversed(h.shape), generator=gen).to(dtype).to(device).permute(*reversed(range(h.dim())))
-    with path_ctx(path):
+    with path_ctx(path), rows_per_chunk(c["rows_per_chunk"]):
         grads = torch.autograd.grad(h, leaves, dh)
     grads64 = torch.autograd.grad(ref, leaves64, dh.double())
     for leaf, got, want in zip(leaves, grads, grads64):
@@ -159,33 +179,36 @@ def check_mlp(c, path, device="cpu"):
         assert_close(got, want, dtype, f"grad of {tuple(leaf.shape)} {leaf.dtype}")
 
 
-mlp_case = st.fixed_dictionaries(dict(
-    seed=st.integers(0, 2**16),
-    rows=st.integers(1, 70),
-    hidden=st.integers(1, 33),
-    inter=st.integers(1, 45),
-    rank=st.integers(1, 9),
-    dtype=st.sampled_from(DTYPES),
-    fp32_adapters=st.booleans(),
-    lora=st.sampled_from(["none", "gate", "up", "both", "shared_a"]),
-    fused=st.booleans(),
-    x_transposed=st.booleans(),
-    x_3d=st.booleans(),
-    x_grad=st.booleans(),
-    train_base=st.booleans(),
-    scale=st.sampled_from([0.5, 2.0]),
-    activation=st.sampled_from(ACTIVATIONS),
-))
+def mlp_cases(chunk_rows):
+    """Random cases; rows_per_chunk None runs one chunk, a number forces chunks of that many rows."""
+    return st.fixed_dictionaries(dict(
+        seed=st.integers(0, 2**16),
+        rows=st.integers(1, 70),
+        hidden=st.integers(1, 33),
+        inter=st.integers(1, 45),
+        rank=st.integers(1, 9),
+        dtype=st.sampled_from(DTYPES),
+        fp32_adapters=st.booleans(),
+        lora=st.sampled_from(["none", "gate", "up", "both", "shared_a"]),
+        fused=st.booleans(),
+        x_transposed=st.booleans(),
+        x_3d=st.booleans(),
+        x_grad=st.booleans(),
+        train_base=st.booleans(),
+        scale=st.sampled_from([0.5, 2.0]),
+        activation=st.sampled_from(ACTIVATIONS),
+        rows_per_chunk=st.sampled_from(chunk_rows),
+    ))
 
 
 @settings(max_examples=40, deadline=None)
-@given(c=mlp_case)
+@given(c=mlp_cases([None, 4, 16]))
 def test_gated_mlp_torch_path(c):
     check_mlp(c, "torch")
 
 
 @settings(max_examples=25, deadline=None)
-@given(c=mlp_case)
+@given(c=mlp_cases([None, 16]))  # the interpreter's cost grows with the chunk count
 def test_gated_mlp_triton_path(c):
     check_mlp(c, "triton")
 
@@ -290,15 +313,16 @@ def _saved(fn, *args):
     return out, saved
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_gated_mlp_saves_only_x_and_references(path):
+def test_gated_mlp_saves_only_x_and_references(path, chunk):
     rows, hidden, inter, rank = 64, 24, 96, 4
     x = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
     w_gate_up = torch.randn(2 * inter, hidden, dtype=torch.bfloat16)
     factors = [torch.randn(rank, hidden, requires_grad=True), torch.randn(inter, rank, requires_grad=True),
                torch.randn(rank, hidden, requires_grad=True), torch.randn(inter, rank, requires_grad=True)]
     inputs = [x, w_gate_up[:inter], w_gate_up[inter:], *factors]
-    with path_ctx(path):
+    with path_ctx(path), rows_per_chunk(chunk):
         h, saved = _saved(gated_mlp, *inputs, 2.0)
     # Everything saved is an input tensor itself (no copy, no new allocation) ...
     assert all(any(t.data_ptr() == i.data_ptr() and t.shape == i.shape for i in inputs) for t in saved)
@@ -306,6 +330,154 @@ def test_gated_mlp_saves_only_x_and_references(path):
     assert not any(t.numel() >= rows * inter for t in saved)
     activation_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() == x.data_ptr())
     assert activation_bytes == x.numel() * x.element_size()
+
+
+def chunk_case(layout, dtype, rows=37):
+    """A case per LoRA layout: distinct gate/up factors, one A shared by a fused gate_up (PEFT on
+    Phi3), and full fine-tuning of a fused weight without LoRA."""
+    return dict(seed=3, rows=rows, hidden=20, inter=50, rank=4, dtype=dtype, fp32_adapters=True, lora=layout,
+                fused=layout != "both", x_transposed=True, x_3d=True, x_grad=True, train_base=layout == "none",
+                scale=2.0, activation="silu", rows_per_chunk=None)
+
+
+def h_and_grads(c, path, chunk, device="cpu"):
+    x, w_gate, w_up, factors, leaves = mlp_leaves(c, device)
+    with path_ctx(path), rows_per_chunk(chunk):
+        h = gated_mlp(x, w_gate, w_up, *factors, c["scale"], c["activation"])
+        dh = torch.randn(h.shape, generator=torch.Generator().manual_seed(c["seed"] + 1)).to(h.dtype).to(device)
+        grads = torch.autograd.grad(h, leaves, dh)
+    return [h, *grads]
+
+
+# Chunked vs one chunk: the same arithmetic per row, and per-chunk partial sums of the weight and
+# LoRA gradients added in fp32, so only fp32 summation order (and, for bf16 outputs, the one final
+# rounding it can flip) differs. Rounding a chunk's partial sum to bf16 is off by ~1e-1 here.
+CHUNK_TOL = {torch.float32: 2e-6, torch.bfloat16: 2**-8}
+# cuBLAS picks other kernels (split-K orders) for other row counts, so an fp32 product or a
+# bf16 rounding of one can differ a little more than on CPU.
+CUDA_CHUNK_SLACK = 4
+
+
+def assert_chunked_matches(one, chunked, dtype, slack=1):
+    for i, (a, b) in enumerate(zip(one, chunked)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        tol = slack * CHUNK_TOL[torch.float32 if a.dtype == torch.float32 else dtype]
+        err = (a.double() - b.double()).abs().max().item()
+        assert err <= tol * a.double().abs().max().item(), f"output {i}: chunked differs by {err:.3e}"
+
+
+@pytest.mark.parametrize("path, layout, dtype", [
+    *(("torch", layout, dtype) for layout in ("both", "shared_a", "none") for dtype in (torch.float32, torch.bfloat16)),
+    # The Triton kernels per chunk: LoRA x-side gradients and B gradients, with distinct and shared A.
+    ("triton", "both", torch.float32), ("triton", "shared_a", torch.bfloat16),
+])
+def test_chunks_match_one_chunk(path, layout, dtype):
+    c = chunk_case(layout, dtype)
+    one = h_and_grads(c, path, None)
+    assert_chunked_matches(one, h_and_grads(c, path, 5), dtype)  # 8 chunks, the last of 2 rows
+
+
+class _Temporaries(TorchDispatchMode):
+    """Watches the storages that aten ops return while active, inside fastgrpo ops too (their CPU
+    implementations run with this mode still active). A storage lives while a Python tensor on it
+    does; temporaries are the storages made and freed before the mode exits (so not the inputs,
+    nor the outputs the caller holds)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.sizes = []  # (bytes, op) per storage, in creation order
+        self.events = []  # (storage index, +bytes at creation / -bytes when its last tensor dies)
+        self.live = {}  # data_ptr -> [storage index, bytes, tensors alive]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fastgrpo":
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._created(t, str(func))
+        return out
+
+    def _created(self, t, op):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.inputs:
+            return
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [len(self.sizes), t.untyped_storage().nbytes(), 0]
+            self.sizes.append((entry[1], op))
+            self.events.append((entry[0], entry[1]))
+        entry[2] += 1
+        weakref.finalize(t, self._dropped, ptr)
+
+    def _dropped(self, ptr):
+        entry = self.live[ptr]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self.live[ptr]
+            self.events.append((entry[0], -entry[1]))
+
+    def temporaries(self):
+        """((bytes, op) of the largest temporary, peak bytes of temporaries alive at once)."""
+        kept = {entry[0] for entry in self.live.values()}
+        alive = peak = 0
+        for index, delta in self.events:
+            if index not in kept:
+                alive += delta
+                peak = max(peak, alive)
+        largest = max((size for index, size in enumerate(self.sizes) if index not in kept), default=(0, None))
+        return largest, peak
+
+
+def _mlp_temporaries(path, rows, chunk):
+    """Temporaries of gated_mlp's forward and of its backward: bf16 x and fused gate_up weight,
+    fp32 LoRA on gate and up, gradients for x, the weight and every factor."""
+    hidden, inter, rank = 12, 96, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).requires_grad_()
+    w_gate_up = (torch.randn(2 * inter, hidden, generator=gen) * 0.3).to(torch.bfloat16).requires_grad_()
+    factors = [torch.randn(*shape, generator=gen).requires_grad_()
+               for shape in ((rank, hidden), (inter, rank), (rank, hidden), (inter, rank))]
+    inputs = [x, w_gate_up, w_gate_up[:inter], w_gate_up[inter:], *factors]
+    dh = torch.randn(rows, inter, generator=gen).to(torch.bfloat16)
+    with path_ctx(path), rows_per_chunk(chunk):
+        with _Temporaries(inputs) as fwd:
+            h = gated_mlp(x, *inputs[2:], 2.0)
+        with _Temporaries([*inputs, h, dh]) as bwd:
+            grads = torch.autograd.grad(h, [x, w_gate_up, *factors], dh)
+        assert len(grads) == 6  # held until the watch ends: outputs, not temporaries
+    return fwd.temporaries(), bwd.temporaries()
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_gated_mlp_temporaries_bounded_by_chunk(path):
+    """No temporary inside forward or backward is larger than one chunk's [rows, 2I] fp32 buffer,
+    and the peak of temporaries alive at once does not grow with the token count (32 vs 128
+    rows in chunks of 16). Without chunking both grow, so the test sees full-size temporaries
+    (or the previous chunk's buffers kept alive) if they come back."""
+    chunk, inter = 16, 96
+    chunk_bytes = chunk * 2 * inter * 4
+    small, large = _mlp_temporaries(path, 2 * chunk, chunk), _mlp_temporaries(path, 8 * chunk, chunk)
+    for name, (small_pass, large_pass) in zip(("forward", "backward"), zip(small, large)):
+        (largest, op), peak = large_pass
+        assert largest <= chunk_bytes, f"{name}: {op} made a {largest}-byte temporary > one chunk's {chunk_bytes}"
+        assert peak <= small_pass[1], f"{name}: temporaries peak at {peak} bytes for 128 rows, {small_pass[1]} for 32"
+    unchunked = _mlp_temporaries(path, 8 * chunk, None)
+    for (_, peak), (_, peak_unchunked) in zip(large, unchunked):
+        assert peak_unchunked > 2 * peak
+
+
+def test_rows_per_chunk_sizing():
+    """Default chunks: g/u buffer within 256 MiB, whole multiples of 128 rows, never under 1024."""
+    for inter, dtype in ((8960, torch.bfloat16), (14336, torch.bfloat16), (8960, torch.float32),
+                         (53248, torch.bfloat16)):
+        n = gated_mlp_module.rows_per_chunk(inter, dtype)
+        assert n % 128 == 0 and n >= 1024
+        assert n == 1024 or n * 2 * inter * dtype.itemsize <= 256 * 2**20 < (n + 128) * 2 * inter * dtype.itemsize
+    assert gated_mlp_module.rows_per_chunk(8960, torch.bfloat16) == 7424
 
 
 def test_act_mul_saves_gate_and_up():
@@ -367,20 +539,79 @@ def test_gated_mlp_under_torch_compile():
 
 @pytest.mark.gpu
 @settings(max_examples=30, deadline=None)
-@given(c=mlp_case)
+@given(c=mlp_cases([None, 1, 4, 16]))
 def test_gated_mlp_cuda(c):
     check_mlp(c, "cuda", device="cuda")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 128])
 @pytest.mark.parametrize("lora", ["none", "both", "shared_a"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gated_mlp_cuda_large(lora, activation):
-    """Shapes that use several row blocks, column splits and LoRA ranks past one tile."""
+def test_gated_mlp_cuda_large(lora, activation, chunk):
+    """Shapes that use several row blocks, column splits and LoRA ranks past one tile; one chunk
+    and six (the last of 60 rows)."""
     c = dict(seed=5, rows=700, hidden=256, inter=1300, rank=16, dtype=torch.bfloat16, fp32_adapters=True,
              lora=lora, fused=lora != "both", x_transposed=False, x_3d=True, x_grad=True, train_base=lora == "none",
-             scale=2.0, activation=activation)
+             scale=2.0, activation=activation, rows_per_chunk=chunk)
     check_mlp(c, "cuda", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["both", "shared_a", "none"])
+def test_chunks_match_one_chunk_cuda(layout, dtype):
+    c = dict(chunk_case(layout, dtype, rows=3000), hidden=256, inter=1300, rank=16, x_transposed=False)
+    one = h_and_grads(c, "cuda", None, device="cuda")
+    chunked = h_and_grads(c, "cuda", 448, device="cuda")  # 7 chunks, the last of 312 rows
+    assert_chunked_matches(one, chunked, dtype, CUDA_CHUNK_SLACK)
+
+
+@pytest.mark.gpu
+def test_gated_mlp_cuda_peak_memory_bounded():
+    """Qwen2.5-1.5B's MLP (H 1536, I 8960), 32k tokens, bf16 base, fp32 LoRA r=16 on gate and up,
+    default chunking (5 chunks): beyond h (forward) and dx (backward), each pass's peak stays
+    within one chunk's working set (g/u buffer 254 MiB, x in fp32 and the LoRA part of dx 44 MiB
+    each: <= 1.5 x 256 MiB), where one chunk of all rows needs two or more [tokens x I] tensors
+    (>= 1120 MiB); both give the same results."""
+    tokens, hidden, inter, rank = 32768, 1536, 8960, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, std=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, device="cuda", generator=gen) * std).to(dtype)
+
+    x = rand(tokens, hidden, dtype=torch.bfloat16).requires_grad_()
+    w_gate_up = rand(2 * inter, hidden, std=hidden**-0.5, dtype=torch.bfloat16)
+    factors = [rand(rank, hidden, std=hidden**-0.5).requires_grad_(), rand(inter, rank, std=0.1).requires_grad_(),
+               rand(rank, hidden, std=hidden**-0.5).requires_grad_(), rand(inter, rank, std=0.1).requires_grad_()]
+    dh = rand(tokens, inter, dtype=torch.bfloat16)
+    full_bytes = tokens * inter * 2
+
+    def run(chunk):
+        with rows_per_chunk(chunk):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            h = gated_mlp(x, w_gate_up[:inter], w_gate_up[inter:], *factors, 2.0)
+            torch.cuda.synchronize()
+            fwd = torch.cuda.max_memory_allocated() - base - full_bytes
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            grads = torch.autograd.grad(h, [x, *factors], dh)
+            torch.cuda.synchronize()
+            bwd = torch.cuda.max_memory_allocated() - base - x.numel() * x.element_size()
+        return [h, *grads], fwd, bwd
+
+    run(tokens)  # warm-up: Triton compilation and cuBLAS workspaces outside the measured peaks
+    chunked, fwd, bwd = run(None)
+    one, fwd_one, bwd_one = run(tokens)
+    mib = 2**20
+    print(f"\nextra peak MiB, chunked ({gated_mlp_module.rows_per_chunk(inter, torch.bfloat16)} rows) / one chunk: "
+          f"forward {fwd / mib:.0f} / {fwd_one / mib:.0f}, backward {bwd / mib:.0f} / {bwd_one / mib:.0f}")
+    budget = 1.5 * gated_mlp_module._CHUNK_BYTES
+    assert fwd <= budget and bwd <= budget, (fwd / mib, bwd / mib)
+    assert fwd_one >= 2 * full_bytes and bwd_one >= 2 * full_bytes  # the measurement sees full-size temporaries
+    assert_chunked_matches(one, chunked, torch.bfloat16, CUDA_CHUNK_SLACK)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,11 @@
-"""Offloaded activation checkpointing (fastgrpo.integrations.offload).
+"""Offloaded activation checkpointing (fastgrpo.compiler.offload) and its wiring.
 
 Loss and every gradient must equal plain non-reentrant checkpointing and no checkpointing, eager and
 with the layers compiled; layer inputs must live in the host buffers (not on the compute device)
-between forward and backward; buffers must be reused across steps; disable() must restore the model.
+between forward and backward; buffers must be reused across steps; disable() must restore the model;
+HF's checkpointing flag must switch the offloading (never nest HF's checkpoint in ours);
+`compile_repeated_blocks(..., offload_checkpointing=True)` and the trainer flag
+`fastgrpo_offload_checkpointing` must give the same loss and LoRA gradients as without it.
 """
 import gc
 import weakref
@@ -13,10 +16,12 @@ import torch
 import fastgrpo
 from fastgrpo.compiler.regions import repeated_blocks
 from fastgrpo.compiler.tiny import tiny_model
-from fastgrpo.integrations.offload import (
+from fastgrpo.compiler.offload import (
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
+    offload_handle,
 )
+from fastgrpo.compiler.options import Options
 
 LAYERS = 4  # 3 offloaded + 1 kept: the prefetch chain has more than one link
 EAGER = {"inner": "eager"}
@@ -32,7 +37,7 @@ def one_thread():
 
 
 def make(arch, lora, device="cpu", **overrides):
-    return tiny_model(arch, lora=lora, num_hidden_layers=LAYERS, **overrides).to(device)
+    return tiny_model(arch, lora=lora, **({"num_hidden_layers": LAYERS} | overrides)).to(device)
 
 
 def batch(device="cpu", rows=2, length=12, seed=1):
@@ -73,8 +78,10 @@ def test_equals_plain_and_hf_checkpointing(arch, lora):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_same(reference, step(model, ids, mask))
     with enable_offloaded_checkpointing(model) as handle:
-        # HF's per-layer flag is switched off: ours replaces it instead of nesting in it.
-        assert not any(block.gradient_checkpointing for block in repeated_blocks(model))
+        # HF's per-layer flag now reads (and switches) ours; HF's own checkpoint must never run.
+        assert model.is_gradient_checkpointing and offload_handle(model) is handle
+        for block in repeated_blocks(model):
+            block._gradient_checkpointing_func = hf_checkpoint_must_not_run
         offloaded = step(model, ids, mask)
         assert_same(reference, offloaded, rtol=0, atol=0)  # the same ops on the same values
         assert handle.stats.offloaded == LAYERS - 1 and handle.stats.kept == 1
@@ -87,6 +94,11 @@ def test_equals_plain_and_hf_checkpointing(arch, lora):
         for name, grad in zip(names, grads):
             torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
     assert all(block.gradient_checkpointing for block in repeated_blocks(model))
+    assert offload_handle(model) is None
+
+
+def hf_checkpoint_must_not_run(*args, **kwargs):
+    raise AssertionError("HF's checkpoint ran inside offloaded checkpointing")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -245,11 +257,6 @@ def test_inference_passes_through_and_disable_restores():
     assert handle.stats.offloaded == 0 and handle.stats.kept == 0  # nothing was checkpointed
     step(model, ids, mask)
     assert handle.stats.host_bytes > 0
-    # HF checkpointing switched on again over ours would checkpoint each layer twice: refused.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(RuntimeError, match="switched on again"):
-        loss_of(model, ids, mask)
-    model.gradient_checkpointing_disable()
     assert disable_offloaded_checkpointing(model)
     assert not disable_offloaded_checkpointing(model)
     assert [type(block) for block in repeated_blocks(model)] == classes
@@ -257,6 +264,177 @@ def test_inference_passes_through_and_disable_restores():
     assert handle.host_buffers() == {} and handle.stats.host_bytes == 0
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, reference, rtol=0, atol=0)
+
+
+def test_hf_flag_switches_offloading():
+    """gradient_checkpointing_disable()/_enable() (what TRL does around generation and no-grad passes, and
+    Trainer.train() at the start) pause and resume the offloading; HF's checkpoint never runs."""
+    model = make("llama", lora=True)
+    ids, mask = batch()
+    reference = step(model, ids, mask)
+    handle = enable_offloaded_checkpointing(model)
+    model.gradient_checkpointing_disable()
+    assert not model.is_gradient_checkpointing
+    assert_same(reference, step(model, ids, mask), rtol=0, atol=0)
+    assert handle.stats.offloaded == 0  # paused: the layers ran plainly
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # reentrant: ignored
+    assert model.is_gradient_checkpointing
+    for block in repeated_blocks(model):
+        block._gradient_checkpointing_func = hf_checkpoint_must_not_run
+    assert_same(reference, step(model, ids, mask), rtol=0, atol=0)
+    assert handle.stats.offloaded == LAYERS - 1
+    handle.disable()
+    assert not any(block.gradient_checkpointing for block in repeated_blocks(model))  # as before enabling
+
+
+@pytest.mark.parametrize("peft_wrapper", [False, True])
+def test_compile_repeated_blocks_with_offload(peft_wrapper):
+    """One call compiles the layers with the backend and offloads their inputs; on the PeftModel itself too."""
+    torch._dynamo.reset()
+    model = make("qwen3", lora=True)
+    ids, mask = batch()
+    reference = step(model, ids, mask)
+    target = model if peft_wrapper else model.get_base_model()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.utils.counters.clear()
+    assert fastgrpo.compile_repeated_blocks(target, options=EAGER, dynamic=True, offload_checkpointing=True) == LAYERS
+    for length in (12, 17):
+        ids, mask = batch(length=length)
+        model.gradient_checkpointing_disable()
+        reference = step(model, ids, mask)  # the same compiled layers, offloading paused
+        model.gradient_checkpointing_enable()
+        assert_same(reference, step(model, ids, mask))
+    handle = offload_handle(model)
+    assert handle.stats.offloaded == 2 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
+    reports = fastgrpo.fusion_reports()
+    assert reports and sum(r["patterns"]["rms_norm"]["matched"] for r in reports) > 0
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_generation_with_cache_runs_compiled_layers_eagerly():
+    """A KV-cache call would make one graph per layer (the cache update keys on the layer index) and exhaust
+    Dynamo's recompile limit: compiled repeated blocks run such calls uncompiled."""
+    from fastgrpo.integrations.generation import EmbeddedGenerator
+
+    torch._dynamo.reset()
+    model = make("llama", lora=False, num_hidden_layers=10)  # more layers than the recompile limit (8)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+
+    def greedy():
+        return EmbeddedGenerator(model, pad_token_id=0, eos_token_ids=[2], max_new_tokens=5).generate(
+            prompts, temperature=0)
+
+    expected = greedy()
+    fastgrpo.compile_repeated_blocks(model, options=EAGER, dynamic=True, offload_checkpointing=True)
+    torch._dynamo.utils.counters.clear()
+    step(model, *batch())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert greedy() == expected
+    with torch.no_grad():  # a no-grad pass without a cache (TRL's log-prob passes) is compiled
+        model(input_ids=batch()[0], use_cache=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_backend_option_points_to_compile_repeated_blocks():
+    with pytest.raises(ValueError, match=r"compile_repeated_blocks\(model, offload_checkpointing=True\)"):
+        Options.parse({"offload_checkpointing": True})
+    with pytest.raises(ValueError, match="unknown fastgrpo backend option"):
+        Options.parse({"inner_compiler": "eager"})
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trainer_flag_matches_plain_checkpointing(tmp_path, device):
+    """fastgrpo's GRPOTrainer with fastgrpo_offload_checkpointing: the same loss and LoRA gradients as without it
+    (fixed completions, compiled layers vs the compiled decoder), TRL's checkpointing toggles pass through, and
+    the policy's layer inputs are in the host buffers between forward and backward. On CUDA: the backend's
+    default inner compiler, fp32, side-stream copies into pinned buffers."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    import fastgrpo.integrations.trl as F
+    from tests.test_trl_integration import (
+        LORA, PROMPTS, VOCAB, common_args, low_id_fraction, lora_params, make_inputs, set_params,
+    )
+    from tests.tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], VOCAB)
+    layers = 3
+
+    def trainer(offload: bool):
+        torch.manual_seed(0)
+        model = tiny_model(
+            "qwen2", vocab_size=VOCAB, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+        args = F.GRPOConfig(**common_args(
+            # num_iterations=2: TRL runs a no-grad old-policy pass (toggling checkpointing off and on around it).
+            tmp_path, num_iterations=2, beta=0.0, loss_type="dapo", bf16=False, fastgrpo_mini_batch=3,
+            fastgrpo_compile_options={"inner": "eager"} if device == "cpu" else None,
+            fastgrpo_offload_checkpointing=offload, use_cpu=device == "cpu"))
+        built = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
+        # What Trainer.train() does first; with offloading it switches ours on, not HF's.
+        built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return built
+
+    results = []
+    for offload in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        t = trainer(offload)
+        set_params(t.model, seed=1, scale=0.3, only_lora=True)
+        inputs = make_inputs(t, tokenizer.eos_token_id)  # TRL toggles checkpointing off and on around its passes
+        set_params(t.model, seed=2, scale=0.3, only_lora=True)
+        t.model.zero_grad(set_to_none=True)
+        t.current_gradient_accumulation_steps = 1
+        handle = offload_handle(t.model)
+        recorded = []
+        if offload:
+            assert t.model.is_gradient_checkpointing and handle.stats.offloaded == 0  # no-grad passes: nothing saved
+            blocks = repeated_blocks(t.model)
+            for block in blocks:
+                block._gradient_checkpointing_func = hf_checkpoint_must_not_run
+            # Inputs of the forward calls (a recompute in backward would add more; there is none before it). The
+            # hook runs in its own frame (nn.Module's call machinery is not traced): keep Dynamo off it.
+            record = torch._dynamo.disable(lambda module, args: recorded.append(args[0].detach().clone()))
+            hooks = [b.register_forward_pre_hook(record) for b in blocks[:-1]]
+        loss = t.compute_loss(t.model, inputs)
+        if offload:
+            for h in hooks:
+                h.remove()
+            rows = len(PROMPTS) * 4
+            forwards = -(-rows // 3)  # mini-batches of 3 rows
+            assert handle.stats.offloaded == forwards * (layers - 1) and handle.stats.kept == forwards
+            assert len(recorded) == forwards * (layers - 1)
+            if device == "cuda":
+                torch.cuda.synchronize()  # the side-stream copies have landed
+            host = [b for bufs in handle.host_buffers().values() for b in bufs]
+            assert all(b.is_pinned() for b in host) or device == "cpu"
+            for x in recorded:  # every offloaded input sits, bit for bit, in one of the host buffers
+                x, nbytes = x.cpu(), x.numel() * x.element_size()
+                assert any(b.numel() >= nbytes and torch.equal(b[:nbytes].view(x.dtype).view(x.shape), x) for b in host)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in lora_params(t.model)}))
+        assert not torch._dynamo.utils.counters["graph_break"]
+        if offload:
+            # Layer graphs: two for the no-grad old-policy pass (the input-embeddings hook makes the first layer's
+            # input require grad even under no_grad, the others' not), one for the training forward and recompute.
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    (plain_loss, plain_grads), (loss, grads) = results
+    # CPU: the same ops in the same order. CUDA: inductor compiles one layer instead of the whole decoder.
+    rtol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(loss, plain_loss, rtol=rtol, atol=rtol * 1e-2)
+    assert grads.keys() == plain_grads.keys() and len(grads) == 2 * 7 * layers
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, plain_grads[name], rtol=10 * rtol, atol=rtol * 1e-1, msg=name)
+
+
+def test_trainer_flag_needs_gradient_checkpointing(tmp_path):
+    import fastgrpo.integrations.trl as F
+
+    with pytest.raises(ValueError, match="gradient_checkpointing=True"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False,
+                     fastgrpo_offload_checkpointing=True)
 
 
 @pytest.mark.gpu

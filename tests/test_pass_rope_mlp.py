@@ -41,6 +41,37 @@ def test_rope_and_mlp_matched_on_every_layer(arch, lora):
     assert_grads_close(expected_grads, actual_grads, rel=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_lora_scales_traced_as_inputs_or_different_are_folded_into_b(arch):
+    """Under dynamic=True Dynamo passes PEFT's float `scaling` in as a symbolic input; and gate and up
+    may have different scales (alpha_pattern). Both fold the scale into B instead of refusing the MLP."""
+    import peft
+
+    torch.manual_seed(0)
+    base = tiny_model(arch)
+    targets = ["gate_up_proj", "down_proj"] if arch == "phi3" else ["gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                       alpha_pattern={"up_proj": 12}))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    expected = model(input_ids=ids).logits
+    expected.square().mean().backward()
+    expected_grads = grads(model)
+    model.zero_grad()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager"}, dynamic=True)(input_ids=ids).logits
+    actual.square().mean().backward()
+    mlp = _records("gated_mlp")
+    # Dynamo may trace the model twice under dynamic=True (a restart, not a break): each graph holds every layer.
+    assert [r["matched"] for r in mlp] == [model.config.num_hidden_layers] * len(mlp)
+    assert all(s["form"].startswith("gated_mlp (") and "LoRA" in s["form"] for r in mlp for s in r["sites"])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, grads(model), rel=1e-4)
+
+
 def _relative_error(grads_by_name: dict, reference: dict) -> float:
     """Relative error of all the gradients together (per-tensor errors of a tiny bf16 model are noise)."""
     err = sum((g.float() - reference[n]).square().sum() for n, g in grads_by_name.items())

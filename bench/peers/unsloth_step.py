@@ -14,7 +14,14 @@ Unsloth reads a checkpoint directory, so a random one (weights + a WordLevel tok
 vocabulary) is written to a temporary directory first. Needs CUDA (Unsloth's model loader does);
 --tiny (2 layers, vocab 512) is a quick check of the plumbing.
 
+--spread times the batches bench/grpo_step.py --spread times: completion lengths from its
+`spread_lengths` (uniform in [10 %, 100 %] of each length, same seed), the batch right-padded to
+its longest row with pad tokens and completion_mask zero past each row's length, as TRL builds it;
+tokens/s counts real tokens (G*P + sum of lengths). --prompt sets the prompt length. All rows of
+the group share one prompt, as in grpo_step.py.
+
     python bench/peers/unsloth_step.py 1024 4096 16384
+    python bench/peers/unsloth_step.py 1024,4096 --spread --prompt 1024
 """
 import argparse
 import gc
@@ -33,6 +40,9 @@ for _key, _value in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASE
     os.environ.setdefault(_key, _value)  # no network on the device: every load must stay local
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo_step import spread_lengths  # noqa: E402  (bench/grpo_step.py: the same length spread)
 
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -114,30 +124,40 @@ def build_trainer(path: str, max_len: int, max_completion: int, on_gpu: bool):
     return trainer
 
 
-def make_batch(completion: int, vocab: int, pad_id: int, device) -> dict:
+def make_batch(completion: int, vocab: int, pad_id: int, device, prompt: int = PROMPT,
+               lengths: list[int] | None = None) -> dict:
     """The dict Unsloth's _generate_and_score_completions returns with beta=0 and one iteration:
-    no old/ref log-probs, max_left_pad per row. Token ids avoid pad_id: Unsloth drops pad tokens."""
+    no old/ref log-probs, max_left_pad per row. Real token ids avoid pad_id: Unsloth drops pad tokens.
+    With `lengths`, row i has lengths[i] completion tokens, then pad tokens up to the longest row."""
     first_special = min(special_ids(vocab).values())
     if pad_id < first_special:
         raise ValueError(f"pad_token_id {pad_id} is not the checkpoint's <|endoftext|> ({first_special})")
+    lengths = lengths or [completion] * GROUP
+    width = max(lengths)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, first_special, (GROUP, PROMPT + completion), generator=gen).to(device)
-    completion_mask = torch.ones(GROUP, completion, dtype=torch.int32, device=device)
+    ids = torch.randint(0, first_special, (GROUP, prompt + width), generator=gen)
+    ids[:, :prompt] = ids[0, :prompt]
+    completion_mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).to(torch.int32)
+    ids[:, prompt:] = ids[:, prompt:].masked_fill(completion_mask == 0, pad_id)
+    ids, completion_mask = ids.to(device), completion_mask.to(device)
     return {
-        "prompt_ids": ids[:, :PROMPT], "prompt_mask": torch.ones(GROUP, PROMPT, dtype=torch.int64, device=device),
-        "completion_ids": ids[:, PROMPT:], "completion_mask": completion_mask,
+        "prompt_ids": ids[:, :prompt], "prompt_mask": torch.ones(GROUP, prompt, dtype=torch.int64, device=device),
+        "completion_ids": ids[:, prompt:], "completion_mask": completion_mask,
         "advantages": torch.randn(GROUP, generator=gen).to(device), "num_items_in_batch": completion_mask.sum(),
         "max_left_pad": torch.zeros(GROUP, 1, dtype=torch.int64), "sampling_per_token_logps": None,
     }
 
 
-def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, repeat: int, extra: dict) -> dict:
+def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, repeat: int, extra: dict,
+                prompt: int = PROMPT, spread: bool = False) -> dict:
+    lengths = spread_lengths(completion, GROUP) if spread else [completion] * GROUP
+    tokens = GROUP * prompt + sum(lengths)
     result = {"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
-              "tokens_per_s": None, "error": None, **extra}
+              "tokens_per_s": None, "error": None, **extra, "spread": spread, "tokens": tokens, "lengths": lengths}
     model = trainer.model
     on_gpu = torch.cuda.is_available()
     try:
-        batch = make_batch(completion, vocab, pad_id, model.get_input_embeddings().weight.device)
+        batch = make_batch(completion, vocab, pad_id, model.get_input_embeddings().weight.device, prompt, lengths)
         for _ in range(warmup):
             trainer.training_step(model, dict(batch), None)
             model.zero_grad(set_to_none=True)
@@ -155,11 +175,11 @@ def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, 
         median = statistics.median(times)
         unwrapped = trainer.accelerator.unwrap_model(model)
         result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
-                      tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3), loss=float(loss),
+                      tokens_per_s=round(tokens / median * 1e3), loss=float(loss),
                       # Unsloth silently falls back to a padded [G, P+C] forward when its packed one fails its check
                       seq_packing=bool(getattr(unwrapped, "_unsloth_seq_packing_grad_ok", False)
                                        and getattr(unwrapped, "_unsloth_seq_packing_grad_verified_T", 0)
-                                       >= GROUP * (PROMPT + completion)))
+                                       >= tokens))
         if on_gpu:
             result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     except torch.OutOfMemoryError:
@@ -181,14 +201,17 @@ def main() -> int:
                         help="completion lengths (spaces or commas)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt length")
+    parser.add_argument("--spread", action="store_true",
+                        help="completion lengths of bench/grpo_step.py --spread (uniform in [10 %%, 100 %%], same seed)")
     parser.add_argument("--tiny", action="store_true",
                         help="2-layer model, vocab 512: a quick check of the plumbing (still needs CUDA)")
     args = parser.parse_args()
     completions = [int(c) for arg in args.completions for c in arg.split(",") if c]
     on_gpu = torch.cuda.is_available()
-    max_len = PROMPT + max(completions)
+    max_len = args.prompt + max(completions)
     workdir = tempfile.mkdtemp(prefix="unsloth_step_", dir="/tmp")
-    extra = {"prompt": PROMPT, "group": GROUP}
+    extra = {"prompt": args.prompt, "group": GROUP}
     try:
         started = time.perf_counter()
         import unsloth  # noqa: F401  (first, so that it patches transformers/trl/peft before they load)
@@ -215,7 +238,8 @@ def main() -> int:
     for completion in completions:
         started = time.perf_counter()
         pad_id = trainer.processing_class.pad_token_id
-        emit(run_setting(trainer, completion, vocab, pad_id, args.warmup, args.repeat, extra))
+        emit(run_setting(trainer, completion, vocab, pad_id, args.warmup, args.repeat, extra, args.prompt,
+                         args.spread))
         print(f"unsloth_step: completion {completion} took {time.perf_counter() - started:.0f} s", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0

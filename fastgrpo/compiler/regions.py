@@ -5,10 +5,19 @@ layers share one code object, so compiling each one with the same backend compil
 layer once and reuses it for all of them (and after one dynamic-shape recompile, for
 every sequence length). The blocks are found structurally - the largest `nn.ModuleList`
 whose children all have one type - never by model-specific names.
+
+A layer called with a KV cache (generation) runs uncompiled: its cache update takes the
+layer's index as a graph constant, so every layer would compile its own graph and the
+shared code object would hit Dynamo's recompile limit after 8 layers. Training and
+log-prob passes carry no cache and stay compiled; a decode step compiled as a whole
+(`torch.compile` around the model, CUDA graphs) still traces through the layers.
 """
 from torch import nn
 
 from fastgrpo.compiler.backend import fastgrpo_backend
+
+# Keyword arguments through which HF decoder layers receive a KV cache.
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
 def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -20,9 +29,26 @@ def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
-def compile_repeated_blocks(model: nn.Module, options: dict | None = None, dynamic: bool | None = None) -> int:
+def _eager_with_cache(block: nn.Module, compiled):
+    """The block's compiled call, except for calls that carry a KV cache (see the module docstring)."""
+
+    def call(*args, **kwargs):
+        if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
+            return block._call_impl(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def compile_repeated_blocks(
+    model: nn.Module, options: dict | None = None, dynamic: bool | None = None, offload_checkpointing: bool = False
+) -> int:
     """`torch.compile(block, backend="fastgrpo")` on every decoder layer, in place; returns how many.
-    Raises if the model has no repeated blocks (compile the whole model instead)."""
+
+    `offload_checkpointing=True` also checkpoints every layer with its input held in host memory
+    (`fastgrpo.compiler.offload.enable_offloaded_checkpointing`; `offload_handle(model)` returns its
+    handle), instead of HF's `gradient_checkpointing_enable()`, whose flag then toggles the offloading.
+    Works on PEFT models. Raises if the model has no repeated blocks (compile the whole model instead)."""
     blocks = repeated_blocks(model)
     if blocks is None:
         raise ValueError(
@@ -32,4 +58,9 @@ def compile_repeated_blocks(model: nn.Module, options: dict | None = None, dynam
     for block in blocks:
         # The function itself, not the name: works without the package's entry point installed.
         block.compile(backend=fastgrpo_backend, options=options, dynamic=dynamic)
+        block._compiled_call_impl = _eager_with_cache(block, block._compiled_call_impl)
+    if offload_checkpointing:
+        from fastgrpo.compiler.offload import enable_offloaded_checkpointing  # it imports repeated_blocks from here
+
+        enable_offloaded_checkpointing(model)
     return len(blocks)

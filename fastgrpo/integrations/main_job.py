@@ -235,14 +235,17 @@ def _job_callback():
             self.last_time = self.last_tokens = None
 
         def on_train_begin(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:  # several processes: one bar and one log, from the main one
+                return
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO", unit="step", dynamic_ncols=True)
             self.last_time = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.bar.update(state.global_step - self.bar.n)
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:
+            if not logs or "reward" not in logs or not state.is_world_process_zero:
                 return
             now = time.perf_counter()
             tokens = logs.get("num_tokens")
@@ -312,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         threads = choose_cpu_threads(args.cpu_threads)
         print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
+        # Launched as several processes (accelerate launch / torchrun), accelerate joins them into one gloo job
+        # only when told the run is on CPU; otherwise each process trains alone on a copy of the data.
+        train_kwargs.setdefault("use_cpu", True)
     output_dir = Path(train_kwargs["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = last_checkpoint(output_dir) if args.resume else None
@@ -350,19 +356,23 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train(resume_from_checkpoint=resume_from)
 
     adapter_dir = output_dir / "adapter"
-    trainer.save_model(str(adapter_dir))
-    tokenizer.save_pretrained(adapter_dir)
-    plot_reward_curve(trainer.state.log_history, output_dir / "reward_curve.png")
-    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    summary = {
-        "steps": trainer.state.global_step,
-        "wall_s": round(time.perf_counter() - wall_start, 1),
-        "first_reward": rewards[0] if rewards else None,
-        "last_reward": rewards[-1] if rewards else None,
-        "adapter": str(adapter_dir),
-        "reward_curve": str(output_dir / "reward_curve.png"),
-    }
-    print(json.dumps(summary), file=sys.stderr)
+    trainer.save_model(str(adapter_dir))  # every process: under FSDP/DeepSpeed saving gathers the shards
+    if trainer.is_world_process_zero():  # a multi-process launch writes the rest once
+        tokenizer.save_pretrained(adapter_dir)
+        plot_reward_curve(trainer.state.log_history, output_dir / "reward_curve.png")
+        rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+        summary = {
+            "steps": trainer.state.global_step,
+            "wall_s": round(time.perf_counter() - wall_start, 1),
+            "first_reward": rewards[0] if rewards else None,
+            "last_reward": rewards[-1] if rewards else None,
+            "adapter": str(adapter_dir),
+            "reward_curve": str(output_dir / "reward_curve.png"),
+        }
+        print(json.dumps(summary), file=sys.stderr)
+    # Several processes leave together with the process group closed: one exiting with it open aborts (gloo).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return 0
 
 

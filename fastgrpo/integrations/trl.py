@@ -48,8 +48,10 @@ from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
-from fastgrpo.compiler import fastgrpo_backend
+from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend
+from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.integrations.generation import EmbeddedGenerator
+from fastgrpo.integrations.packing import Packer, attention_implementation
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
@@ -107,6 +109,15 @@ class GRPOConfig(TRLGRPOConfig):
             "{'inner': 'inductor'|'aot_eager'|'eager'}. A JSON string is accepted (CLI)."
         },
     )
+    fastgrpo_offload_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Gradient checkpointing with each decoder layer's input held in pinned host memory (copied on a "
+            "side stream, prefetched one layer ahead in backward), for long completions. Needs "
+            "gradient_checkpointing=True (TRL's default); always non-reentrant. The policy's decoder layers are "
+            "then compiled one region each instead of the whole decoder as one graph."
+        },
+    )
     fastgrpo_embedded_generation: bool = field(
         default=True,
         metadata={
@@ -128,6 +139,27 @@ class GRPOConfig(TRLGRPOConfig):
         metadata={
             "help": "Completion tokens per call of the selective_logprob op. 'auto' sizes it from free accelerator "
             f"memory; on CPU {CPU_LOGPROB_CHUNK}. Like Unsloth's `unsloth_num_chunks`, counted in tokens."
+        },
+    )
+    fastgrpo_packing: bool | str = field(
+        # Off until its CUDA path is verified: on the H200 (2026-11-29) the flex_attention tests failed for
+        # Gemma2 and Phi3 and the packed GRPO step did not finish compiling inside the run's time box.
+        default=False,
+        metadata={
+            "help": "Run the log-prob forwards (policy, old policy, reference) on each mini-batch's rows packed into "
+            "one sequence without padding: positions restart per row, attention cannot cross rows "
+            "(flex_attention BlockMask on CUDA; a dense mask with the model's SDPA/eager attention on CPU, up to "
+            "8192 tokens). Batches or models it cannot pack (multimodal inputs, non-attention layers, ...) run "
+            "padded, with a one-time warning saying why. False (default) runs padded; 'auto': on for CUDA, off on "
+            "CPU (a dense mask gains little there); True forces it."
+        },
+    )
+    fastgrpo_shared_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "With fastgrpo_packing: pack each prompt once, followed by its completions, which attend to the "
+            "prompt and to themselves only (P + G*C tokens instead of G*(P+C)). Consecutive rows with identical "
+            "prompts share (TRL repeats each prompt num_generations times); works with any generator."
         },
     )
 
@@ -165,8 +197,21 @@ class GRPOConfig(TRLGRPOConfig):
             self.top_k = 0
         self.fastgrpo_mini_batch = _auto_or_positive_int("fastgrpo_mini_batch", self.fastgrpo_mini_batch)
         self.fastgrpo_logprob_chunk = _auto_or_positive_int("fastgrpo_logprob_chunk", self.fastgrpo_logprob_chunk)
+        if isinstance(self.fastgrpo_packing, str):  # CLI strings
+            choice = {"auto": "auto", "true": True, "false": False}.get(self.fastgrpo_packing.strip().lower())
+            if choice is None:
+                raise ValueError(f"fastgrpo_packing={self.fastgrpo_packing!r}; use True, False or 'auto'")
+            self.fastgrpo_packing = choice
+        if self.fastgrpo_offload_checkpointing and not self.gradient_checkpointing:
+            raise ValueError(
+                "fastgrpo_offload_checkpointing=True is a form of gradient checkpointing; set gradient_checkpointing=True "
+                "(TRL's default) or turn the offloading off."
+            )
         if isinstance(self.fastgrpo_compile_options, str):
             self.fastgrpo_compile_options = json.loads(self.fastgrpo_compile_options)
+        if self.gradient_checkpointing:
+            # Checkpointing re-runs each layer's forward: the gated-MLP op's own recompute would be paid twice.
+            self.fastgrpo_compile_options = {"absorb_mlp_projections": False, **(self.fastgrpo_compile_options or {})}
         if isinstance(self.fastgrpo_vllm_kwargs, str):
             self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
         if self.use_vllm and (error := vllm_import_error()) is not None:
@@ -287,6 +332,10 @@ class LogprobHead:
     logprob_chunk: int | str
     backbone: CompiledBackbone
     with_entropy: bool = True
+    # Packs the rows of each forward (fastgrpo.integrations.packing); None runs them padded.
+    packer: Packer | None = None
+    # Columns of TRL's rows that hold the prompt (the rest is completion), set per call by the trainer.
+    prompt_columns: int | None = None
 
     def install(self, model: torch.nn.Module) -> None:
         """Patch `model.forward` (the causal LM, not a PEFT wrapper); other calls go to the forward it had."""
@@ -311,15 +360,28 @@ class LogprobHead:
             if kwargs.get("output_router_logits"):
                 raise NotImplementedError("fastgrpo's log-prob head does not return the MoE load-balancing loss")
             kwargs["use_cache"] = False
+            packed = None
+            if head.packer is not None and not args and shift_labels is None:
+                packed = head.packer.prepare(self, kwargs, labels, head.prompt_columns)
             # Looked up on each call: PEFT and FSDP replace modules after the head is installed.
-            outputs = head.backbone(self.base_model, *args, **kwargs)
-            if shift_labels is None:
-                hidden, labels = outputs.last_hidden_state[:, :-1], labels[:, 1:]
+            if packed is not None:
+                with attention_implementation(self.base_model.config, packed.implementation):
+                    outputs = head.backbone(self.base_model, **packed.kwargs)
+                # Only the scored positions: [1, N] hidden states and their targets.
+                hidden, labels = outputs.last_hidden_state[:, packed.plan.source], packed.plan.targets[None]
             else:
-                hidden, labels = outputs.last_hidden_state, shift_labels
+                outputs = head.backbone(self.base_model, *args, **kwargs)
+                if shift_labels is None:
+                    hidden, labels = outputs.last_hidden_state[:, :-1], labels[:, 1:]
+                else:
+                    hidden, labels = outputs.last_hidden_state, shift_labels
             weight = self.get_output_embeddings().weight
             hidden, labels = hidden.to(weight.device), labels.to(weight.device)
             log_probs, entropy, mask = head.score(hidden, weight, labels, logit_scale, softcap)
+            if packed is not None:  # back to the padded [B, S - 1] layout TRL slices
+                log_probs = packed.plan.scatter(log_probs[0])
+                entropy = None if entropy is None else packed.plan.scatter(entropy[0])
+                mask = packed.plan.scored_mask()
             loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
             return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
 
@@ -455,12 +517,38 @@ class GRPOTrainer(TRLGRPOTrainer):
                 temperature=self.temperature,
                 cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
                 logprob_chunk=args.fastgrpo_logprob_chunk,
-                backbone=CompiledBackbone(args.fastgrpo_compile, args.fastgrpo_compile_options),
+                # With offloading the policy's layers are compiled one by one instead (see _offload_checkpointing).
+                backbone=CompiledBackbone(
+                    args.fastgrpo_compile and not (args.fastgrpo_offload_checkpointing and target is self.model),
+                    args.fastgrpo_compile_options,
+                ),
+                packer=Packer(share_prompt=args.fastgrpo_shared_prompt) if self._packing_on() else None,
             )
             head.install(self._causal_lm(target))
             self._fastgrpo_heads.append(head)
+        if args.fastgrpo_offload_checkpointing:
+            self._offload_checkpointing()
         reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
-        keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=reentrant)
+        # With offloading (always non-reentrant) the hook is kept for another reason: the layers are compiled one
+        # region each, and a first layer whose input needs no grad would compile a second layer graph.
+        needed = reentrant or args.fastgrpo_offload_checkpointing
+        keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=needed)
+
+    def _offload_checkpointing(self) -> None:
+        """Checkpoint the policy's decoder layers with their inputs in host memory.
+
+        Offloading wraps each layer's call outside any compiled region, so a whole-decoder graph would
+        break at every layer: the layers are compiled one region each instead. Each layer's HF
+        checkpointing flag now switches the offloading, so `Trainer.train()`'s
+        `gradient_checkpointing_enable()` and TRL's disable/enable around generation and no-grad passes
+        pause and resume it rather than stacking HF's checkpoint on top."""
+        policy = self._causal_lm(self.model)
+        if self.args.fastgrpo_compile:
+            compile_repeated_blocks(
+                policy, options=self.args.fastgrpo_compile_options, dynamic=True, offload_checkpointing=True
+            )
+        else:
+            enable_offloaded_checkpointing(policy)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not self._embedded_generation_applies(images, multimodal_fields):
@@ -517,6 +605,10 @@ class GRPOTrainer(TRLGRPOTrainer):
             and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         )
 
+    def _packing_on(self) -> bool:
+        choice = self.args.fastgrpo_packing
+        return choice is True or (choice == "auto" and self.accelerator.device.type == "cuda")
+
     def _causal_lm(self, model):
         model = self.accelerator.unwrap_model(model)
         return model.get_base_model() if is_peft_model(model) else model
@@ -537,6 +629,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         # The entropy is extra work in the op and its backward: only compute it when TRL asks for it.
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
+            head.prompt_columns = input_ids.size(1) - logits_to_keep
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=rows, compute_entropy=compute_entropy, **kwargs
         )

@@ -20,6 +20,12 @@ recomputes g and u with cuBLAS, and gets dg, du from one Triton kernel that also
 LoRA terms and accumulates dL/d(x A^T) on the fly; no [tokens x intermediate] tensor outlives
 the forward. Weight gradients are produced only for inputs that require them.
 
+Forward and backward walk the rows of x in chunks (rows_per_chunk(): a chunk's g/u buffer is
+about 256 MiB), so apart from h and dh no [tokens x intermediate] temporary exists at any time:
+the working set stays fixed as the context grows. Each chunk writes its rows of h or dx; weight
+and LoRA gradients are summed over chunks in fp32 accumulators, in chunk order (deterministic,
+and independent of the chunk size up to fp32 summation order), and rounded once at the end.
+
 act_mul is the fallback when the matmuls cannot be taken over: h = act(gate) * up, saving gate
 and up and recomputing the activation in backward (as Liger does).
 
@@ -35,6 +41,10 @@ from fastgrpo.kernels import _dispatch
 _ACTIVATIONS = ("silu", "gelu_tanh")
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_COEF = 0.044715
+# The same for the Triton kernels: a compiled @triton.jit function may read only constexpr globals
+# (the interpreter accepts plain floats, the CUDA compiler refuses them).
+_TL_SQRT_2_OVER_PI = tl.constexpr(_SQRT_2_OVER_PI)
+_TL_GELU_COEF = tl.constexpr(_GELU_COEF)
 
 
 @triton.jit
@@ -45,10 +55,10 @@ def _act_and_grad(g, ACT: tl.constexpr):
         a = g * sig
         da = sig * (1.0 + g * (1.0 - sig))
     else:
-        z = _SQRT_2_OVER_PI * (g + _GELU_COEF * g * g * g)
+        z = _TL_SQRT_2_OVER_PI * (g + _TL_GELU_COEF * g * g * g)
         t = 2.0 * tl.sigmoid(2.0 * z) - 1.0  # tanh(z)
         a = 0.5 * g * (1.0 + t)
-        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_COEF * g * g)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _TL_SQRT_2_OVER_PI * (1.0 + 3.0 * _TL_GELU_COEF * g * g)
     return a, da
 
 
@@ -200,11 +210,11 @@ def _lora_args(lora, like):
     return xa, b, b.shape[1], xa.stride(0), b.stride(0), b.stride(1)
 
 
-def _act_mul_fwd_triton(g, u, out_dtype, lora_g, lora_u, scale, act):
+def _act_mul_fwd_triton(g, u, h, lora_g, lora_u, scale, act):
+    """Writes act(g) * u into h ([N, I], unit column stride; may be a row slice of a larger h)."""
     n_rows, n_cols = g.shape
-    h = torch.empty(n_rows, n_cols, dtype=out_dtype, device=g.device)
     if n_rows == 0:
-        return h
+        return
     block_m, block_n, num_warps = (64, 128, 8) if g.is_cuda else (min(max(triton.next_power_of_2(n_rows), 16), 64), 128, 4)
     xag, bg, rank_g, xag_s0, bg_s0, bg_s1 = _lora_args(lora_g, g)
     xau, bu, rank_u, xau_s0, bu_s0, bu_s1 = _lora_args(lora_u, g)
@@ -217,7 +227,6 @@ def _act_mul_fwd_triton(g, u, out_dtype, lora_g, lora_u, scale, act):
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_RG=_block_r(lora_g), BLOCK_RU=_block_r(lora_u),
         DOT_PRECISION=_dot_precision(g), num_warps=num_warps,
     )
-    return h
 
 
 def _act_mul_bwd_triton(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g, need_dxa_u):
@@ -291,12 +300,12 @@ def _add_lora_torch(base, lora, scale):
     return (base + torch.mm(xa, b.t()) * scale).to(base.dtype)
 
 
-def _act_mul_fwd_torch(g, u, out_dtype, lora_g, lora_u, scale, act):
+def _act_mul_fwd_torch(g, u, h, lora_g, lora_u, scale, act):
     if lora_g is not None:
         g = _add_lora_torch(g, lora_g, scale)
     if lora_u is not None:
         u = _add_lora_torch(u, lora_u, scale)
-    return (_act_fp32(g.float(), act)[0] * u.float()).to(out_dtype)
+    h.copy_(_act_fp32(g.float(), act)[0] * u.float())
 
 
 def _act_mul_bwd_torch(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g, need_dxa_u):
@@ -317,9 +326,9 @@ def _lora_b_grad_torch(dg, xa, scale):
     return torch.mm(dg.float().t(), xa.float()) * scale
 
 
-def _act_mul_fwd(g, u, out_dtype, lora_g, lora_u, scale, act):
+def _act_mul_fwd(g, u, h, lora_g, lora_u, scale, act):
     fn = _act_mul_fwd_triton if _dispatch.use_triton(g) else _act_mul_fwd_torch
-    return fn(g, u, out_dtype, lora_g, lora_u, scale, act)
+    fn(g, u, h, lora_g, lora_u, scale, act)
 
 
 def _act_mul_bwd(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g=False, need_dxa_u=False):
@@ -351,9 +360,10 @@ def _check_activation(op, activation):
 def _act_mul_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     _check_act_mul(gate, up, activation)
     width = gate.shape[-1]
-    h = _act_mul_fwd(_rows_unit_stride(gate, width), _rows_unit_stride(up, width),
-                     torch.promote_types(gate.dtype, up.dtype), None, None, 1.0, activation)
-    return h.view(gate.shape)
+    h = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    _act_mul_fwd(_rows_unit_stride(gate, width), _rows_unit_stride(up, width), h.view(-1, width),
+                 None, None, 1.0, activation)
+    return h
 
 
 @_act_mul_op.register_fake
@@ -425,33 +435,77 @@ def _fused_rows(w_gate, w_up):
     return None
 
 
-def _gate_up(x2d, w_gate, w_up):
+def _gate_up(x_rows, w_gate, w_up):
     """Base projections in x's dtype; one cuBLAS call for a fused gate_up weight."""
     fused = _fused_rows(w_gate, w_up)
     if fused is not None:
-        gu = torch.mm(x2d, fused.t())
+        gu = torch.mm(x_rows, fused.t())
         n = w_gate.shape[0]
         return gu[:, :n], gu[:, n:], gu
-    return torch.mm(x2d, w_gate.t()), torch.mm(x2d, w_up.t()), None
+    return torch.mm(x_rows, w_gate.t()), torch.mm(x_rows, w_up.t()), None
 
 
-def _lora_inputs(x2d, factors):
-    """(x_cast, lora_g, lora_u, a_cat): x in the adapters' dtype, the (xa, B) pairs, and the
-    stacked A when gate and up have different factors of one dtype. Both xa come from one skinny
-    matmul (x @ [A_g; A_u]^T); an A shared by gate and up (LoRA on a fused gate_up_proj) is
-    multiplied once."""
-    ga, gb, ua, ub = factors
-    if ga is None and ua is None:
-        return None, None, None, None
-    a_any = ga if ga is not None else ua
-    x_cast = x2d.to(a_any.dtype)
+def _lora_a(factors):
+    """The A that x is multiplied with, or None without LoRA: the one A (LoRA on one projection,
+    or one A shared by gate and up as for a fused gate_up_proj), else [A_g; A_u] stacked so that
+    both xa come from one skinny matmul."""
+    ga, _, ua, _ = factors
     if ga is None or ua is None or ga is ua:
-        xa = torch.mm(x_cast, a_any.t())
-        return x_cast, (xa, gb) if ga is not None else None, (xa, ub) if ua is not None else None, None
-    a_cat = torch.cat((ga, ua))
-    xa = torch.mm(x_cast, a_cat.t())
-    rank_g = ga.shape[0]
-    return x_cast, (xa[:, :rank_g], gb), (xa[:, rank_g:], ub), a_cat
+        return ga if ga is not None else ua
+    return torch.cat((ga, ua))
+
+
+def _lora_inputs(x_rows, factors, a):
+    """(x_cast, lora_g, lora_u) for some rows of x: x in the adapters' dtype and the (xa, B) pairs."""
+    ga, gb, ua, ub = factors
+    if a is None:
+        return None, None, None
+    x_cast = x_rows.to(a.dtype)
+    xa = torch.mm(x_cast, a.t())
+    if ga is not None and ua is not None and ga is not ua:
+        rank_g = ga.shape[0]
+        return x_cast, (xa[:, :rank_g], gb), (xa[:, rank_g:], ub)
+    return x_cast, (xa, gb) if ga is not None else None, (xa, ub) if ua is not None else None
+
+
+# Both passes walk x in chunks of rows, so no [tokens x intermediate] temporary is larger than a
+# chunk (only h, the forward's output, and dh, the backward's input, are full size). A chunk's
+# largest temporary is its [rows, 2I] projection buffer in x's dtype (g and u; dg and du overwrite
+# it in backward); _CHUNK_BYTES caps that buffer, which keeps the working set fixed as contexts
+# grow (bf16: 7424 rows at I = 8960, 4608 at I = 14336). The other per-chunk temporaries are
+# [rows, H] (x cast to the adapters' dtype) or [rows, r], smaller still. At least
+# _MIN_CHUNK_ROWS rows (whole multiples of 128, the matmul tiles) keep each cuBLAS call large
+# enough to run at full speed. The CPU torch path chunks the same way; its fp32 activation
+# temporaries make its chunks a few times larger in bytes.
+_CHUNK_BYTES = 256 * 2**20
+_MIN_CHUNK_ROWS = 1024
+# Set by tests to force many small chunks; None sizes chunks from _CHUNK_BYTES.
+ROWS_PER_CHUNK: int | None = None
+
+
+def rows_per_chunk(inter: int, dtype: torch.dtype) -> int:
+    """Rows of x that gated_mlp's forward and backward handle per step for intermediate size `inter`."""
+    if ROWS_PER_CHUNK is not None:
+        return ROWS_PER_CHUNK
+    per_row = 2 * inter * dtype.itemsize
+    return max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // per_row // 128 * 128)
+
+
+def _row_chunks(n_rows, inter, dtype):
+    step = rows_per_chunk(inter, dtype)
+    return [(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
+
+
+def _addmm_fp32(acc, a, b):
+    """acc += a @ b into an fp32 accumulator. bf16/fp16 products are summed in fp32 and added
+    without first rounding a chunk's partial sum to the operands' dtype, so a gradient summed over
+    chunks differs from a one-chunk result only by fp32 summation order."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation):
@@ -483,6 +537,14 @@ def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation):
             )
 
 
+def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, h_rows):
+    # One chunk, in a function of its own so that its g/u buffer is freed before the next
+    # chunk's is allocated.
+    g, u, _ = _gate_up(x_rows, w_gate, w_up)
+    _, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
+    _act_mul_fwd(g, u, h_rows, lora_g, lora_u, lora_scale, activation)
+
+
 @torch.library.custom_op("fastgrpo::gated_mlp", mutates_args=())
 def _gated_mlp_op(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -492,21 +554,20 @@ def _gated_mlp_op(
 ) -> torch.Tensor:
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     _check_gated_mlp(x, w_gate, w_up, *factors, activation)
+    inter = w_gate.shape[0]
     x2d = x.reshape(-1, x.shape[-1])
-    g, u, _ = _gate_up(x2d, w_gate, w_up)
-    _, lora_g, lora_u, _ = _lora_inputs(x2d, factors)
-    h = _act_mul_fwd(g, u, x.dtype, lora_g, lora_u, lora_scale, activation)
-    return h.view(*x.shape[:-1], w_gate.shape[0])
+    h = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    h2d = h.view(-1, inter)
+    a = _lora_a(factors)
+    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
+        _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, activation, h2d[start:end])
+    return h
 
 
 @_gated_mlp_op.register_fake
 def _(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation):
     _check_gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, activation)
     return torch.empty(*x.shape[:-1], w_gate.shape[0], dtype=x.dtype, device=x.device)
-
-
-# Order of the gradients the backward op can produce; `needs` selects a subset, returned in order.
-_GRAD_NAMES = ("x", "w_gate", "w_up", "gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b")
 
 
 @torch.library.custom_op("fastgrpo::gated_mlp_backward", mutates_args=())
@@ -516,56 +577,94 @@ def _gated_mlp_backward_op(
     up_lora_a: torch.Tensor | None, up_lora_b: torch.Tensor | None,
     lora_scale: float, activation: str, needs: list[bool],
 ) -> list[torch.Tensor]:
+    """Gradients of (x, w_gate, w_up, gate A, gate B, up A, up B), those `needs` selects, in that
+    order. Per chunk of rows: recompute g and u, overwrite them with dg and du, write the chunk's
+    rows of dx, add its share of the weight and LoRA gradients to fp32 accumulators."""
     need_dx, need_dwg, need_dwu, need_dga, need_dgb, need_dua, need_dub = needs
-    ga, gb, ua, ub = gate_lora_a, gate_lora_b, up_lora_a, up_lora_b
+    ga, gb, ua, ub = factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     hidden, inter = x.shape[-1], w_gate.shape[0]
     x2d = x.reshape(-1, hidden)
-    dh2d = _rows_unit_stride(dh, inter)
-    g, u, gu = _gate_up(x2d, w_gate, w_up)
-    x_cast, lora_g, lora_u, a_cat = _lora_inputs(x2d, (ga, gb, ua, ub))
-    need_dxa_g = lora_g is not None and (need_dx or need_dga)
-    need_dxa_u = lora_u is not None and (need_dx or need_dua)
-    # dg, du overwrite the recomputed g, u: the backward holds one [N, 2I] buffer, not two.
-    dxa_g, dxa_u = _act_mul_bwd(dh2d, g, u, g, u, lora_g, lora_u, lora_scale, activation, need_dxa_g, need_dxa_u)
-    dg, du, dgu = g, u, gu
+    dh2d = dh.reshape(-1, inter)
+    fused = _fused_rows(w_gate, w_up)
+    a = _lora_a(factors)
+    # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
+    # both LoRA x-side gradients are formed whenever either A or x needs them.
+    need_da = need_dga or need_dua
+    need_dxa_g = ga is not None and (need_dx or need_da)
+    need_dxa_u = ua is not None and (need_dx or need_da)
+
+    def fp32_zeros(like, needed):
+        return torch.zeros(like.shape, dtype=torch.float32, device=x.device) if needed else None
+
+    acc = dict(w_gate=fp32_zeros(w_gate, need_dwg), w_up=fp32_zeros(w_up, need_dwu), a=fp32_zeros(a, need_da),
+               gate_b=fp32_zeros(gb, need_dgb), up_b=fp32_zeros(ub, need_dub))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
+    dx2d = dx.view(-1, hidden) if need_dx else None
+    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
+        _backward_rows(dh2d[start:end], x2d[start:end], w_gate, w_up, fused, factors, a, lora_scale, activation,
+                       need_dxa_g, need_dxa_u, dx2d[start:end] if need_dx else None, acc)
     grads = []
     if need_dx:
-        if dgu is not None:
-            dx = torch.mm(dgu, _fused_rows(w_gate, w_up))
-        else:
-            dx = torch.mm(dg, w_gate)
-            dx.addmm_(du, w_up)
-        # LoRA path: dx += dL/d(xa) @ A, in the adapters' dtype (PEFT casts x up, so back down here).
-        if a_cat is not None:
-            dx.add_(torch.mm(torch.cat((dxa_g, dxa_u), dim=1).to(a_cat.dtype), a_cat))
-        elif ga is not None and ga is ua:
-            dx.add_(torch.mm((dxa_g + dxa_u).to(ga.dtype), ga))
-        elif ga is not None or ua is not None:
-            a, dxa = (ga, dxa_g) if ga is not None else (ua, dxa_u)
-            dx.add_(torch.mm(dxa.to(a.dtype), a))
-        grads.append(dx.view(x.shape))
+        grads.append(dx)
     if need_dwg:
-        grads.append(torch.mm(dg.t(), x2d))
+        grads.append(acc["w_gate"].to(w_gate.dtype))
     if need_dwu:
-        grads.append(torch.mm(du.t(), x2d))
-    d_a = {}
-    if ga is not None and ga is ua and need_dga:
-        # One A serves gate and up: its whole gradient goes in the gate slot (autograd adds the
-        # two slots), so the two halves are not rounded separately before they are summed.
-        d_a["gate"] = torch.mm((dxa_g + dxa_u).t().to(ga.dtype), x_cast)
-        d_a["up"] = torch.zeros_like(ga)
-    elif a_cat is not None and need_dga and need_dua:
-        d_a_cat = torch.mm(torch.cat((dxa_g, dxa_u), dim=1).t().to(a_cat.dtype), x_cast)
-        # Returned gradients may not alias each other: copy the two [r, H] halves out.
-        d_a["gate"], d_a["up"] = d_a_cat[: ga.shape[0]].clone(), d_a_cat[ga.shape[0]:].clone()
-    for name, lora, a, d_out, dxa, need_da, need_db in (
-        ("gate", lora_g, ga, dg, dxa_g, need_dga, need_dgb), ("up", lora_u, ua, du, dxa_u, need_dua, need_dub)
-    ):
-        if need_da:
-            grads.append(d_a[name] if name in d_a else torch.mm(dxa.t().to(a.dtype), x_cast))
-        if need_db:
-            grads.append(_lora_b_grad(d_out, lora[0], lora_scale).to(lora[1].dtype))
+        grads.append(acc["w_up"].to(w_up.dtype))
+    # Returned gradients may not alias each other (copy=True: the accumulator may have A's dtype).
+    # One A shared by gate and up gets its whole gradient in the gate slot (autograd adds the two
+    # slots), so the two halves are not rounded separately before they are summed.
+    if need_dga:
+        d_a = acc["a"] if ga is ua or ua is None else acc["a"][: ga.shape[0]]
+        grads.append(d_a.to(ga.dtype, copy=True))
+    if need_dgb:
+        grads.append(acc["gate_b"].to(gb.dtype))
+    if need_dua:
+        d_a = torch.zeros_like(ua) if ga is ua else acc["a"] if ga is None else acc["a"][ga.shape[0]:]
+        grads.append(d_a.to(ua.dtype, copy=True))
+    if need_dub:
+        grads.append(acc["up_b"].to(ub.dtype))
     return grads
+
+
+def _backward_rows(dh_rows, x_rows, w_gate, w_up, fused, factors, a, lora_scale, activation, need_dxa_g, need_dxa_u,
+                   dx_rows, acc):
+    """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
+    weight and LoRA gradient to the fp32 accumulators in `acc` (None where not needed). A
+    function of its own so that the chunk's buffers are freed before the next chunk's exist."""
+    ga, _, ua, _ = factors
+    inter = w_gate.shape[0]
+    g, u, gu = _gate_up(x_rows, w_gate, w_up)
+    x_cast, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
+    # dg, du overwrite the recomputed g, u: a chunk holds one [rows, 2I] buffer, not two.
+    dxa_g, dxa_u = _act_mul_bwd(_rows_unit_stride(dh_rows, inter), g, u, g, u, lora_g, lora_u,
+                                lora_scale, activation, need_dxa_g, need_dxa_u)
+    dg, du, dgu = g, u, gu
+    # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
+    if ga is not None and ga is ua:
+        dxa = dxa_g + dxa_u
+    elif dxa_g is not None and dxa_u is not None:
+        dxa = torch.cat((dxa_g, dxa_u), dim=1)
+    else:
+        dxa = dxa_g if dxa_g is not None else dxa_u
+    dxa = dxa.to(a.dtype) if dxa is not None else None
+    if dx_rows is not None:
+        if dgu is not None:
+            torch.mm(dgu, fused, out=dx_rows)
+        else:
+            torch.mm(dg, w_gate, out=dx_rows)
+            dx_rows.addmm_(du, w_up)
+        if a is not None:  # LoRA path, in the adapters' dtype (PEFT casts x up, so back down here)
+            dx_rows.add_(torch.mm(dxa, a))
+    if acc["w_gate"] is not None:
+        _addmm_fp32(acc["w_gate"], dg.t(), x_rows)
+    if acc["w_up"] is not None:
+        _addmm_fp32(acc["w_up"], du.t(), x_rows)
+    if acc["a"] is not None:
+        _addmm_fp32(acc["a"], dxa.t(), x_cast)
+    if acc["gate_b"] is not None:
+        acc["gate_b"].add_(_lora_b_grad(dg, lora_g[0], lora_scale))
+    if acc["up_b"] is not None:
+        acc["up_b"].add_(_lora_b_grad(du, lora_u[0], lora_scale))
 
 
 @_gated_mlp_backward_op.register_fake

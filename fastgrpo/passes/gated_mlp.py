@@ -39,7 +39,7 @@ class _Projection:
     weight: fx.Node | tuple[fx.Node, int]     # a weight, or (fused weight, half index)
     lora_a: fx.Node | None = None
     lora_b: fx.Node | tuple[fx.Node, int] | None = None
-    scale: float | None = None
+    scale: float | fx.Node | None = None
     nodes: tuple[fx.Node, ...] = ()
 
 
@@ -84,7 +84,9 @@ def _lora_branch(node) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]]
         return None
     a, b = binary_operands(node)
     branch, scale = (a, b) if is_scalar(b) else (b, a)
-    if not is_scalar(scale) or isinstance(scale, fx.Node) or (down := _plain_linear(branch)) is None:
+    # The scale is a Python float, or - when Dynamo traces floats as inputs (dynamic=True) - a node
+    # holding a symbolic float (PEFT's `scaling[adapter]` read off the module).
+    if not is_scalar(scale) or (down := _plain_linear(branch)) is None:
         return None
     lora_out, lora_b = down
     if (up := _plain_linear(lora_out)) is None:
@@ -94,7 +96,8 @@ def _lora_branch(node) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]]
         if arg(x_in, 1, "p", 0.5) != 0.0 or not isinstance(arg(x_in, 1, "p", 0.5), (int, float)):
             raise Unabsorbable("LoRA dropout > 0 (set lora_dropout=0 to fuse this MLP)")
         x_in = arg(x_in, 0, "input")
-    return strip_widening_casts(x_in), lora_a, lora_b, float(scale), [node, branch, lora_out]
+    scale = scale if isinstance(scale, fx.Node) else float(scale)
+    return strip_widening_casts(x_in), lora_a, lora_b, scale, [node, branch, lora_out]
 
 
 def _projection(node: fx.Node) -> _Projection:
@@ -149,16 +152,27 @@ def _weight_half(graph: fx.Graph, weight, rows: int) -> fx.Node:
     return weight
 
 
+def _scaled_lora_b(graph: fx.Graph, lora_b, scale):
+    """B * scale, for a plain B or the fused B of a (fused, half) pair: (x A^T) B^T s = x A^T (s B)^T."""
+    if isinstance(lora_b, tuple):
+        return graph.call_function(operator.mul, (lora_b[0], scale)), lora_b[1]
+    return graph.call_function(operator.mul, (lora_b, scale))
+
+
 def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Projection, up: _Projection) -> None:
     inter = shape(product)[-1]
     scales = {p.scale for p in (gate, up) if p.scale is not None}
-    if len(scales) > 1:
-        raise Unabsorbable(f"gate and up LoRA scales differ ({sorted(scales)})")
+    # The op takes one Python-float scale. A symbolic scale, or two different ones, is folded into each
+    # B factor instead (a [I, r] multiply; exact for PEFT's usual power-of-two alpha / r).
+    fold = len(scales) > 1 or any(isinstance(s, fx.Node) for s in scales)
     with graph.inserting_before(product):
         args = [gate.x, _weight_half(graph, gate.weight, inter), _weight_half(graph, up.weight, inter)]
         for p in (gate, up):
-            args += [p.lora_a, None if p.lora_b is None else _weight_half(graph, p.lora_b, inter)]
-        args += [scales.pop() if scales else 1.0, activation]
+            lora_b = p.lora_b
+            if fold and lora_b is not None:
+                lora_b = _scaled_lora_b(graph, lora_b, p.scale)
+            args += [p.lora_a, None if lora_b is None else _weight_half(graph, lora_b, inter)]
+        args += [1.0 if fold or not scales else scales.pop(), activation]
         new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default, tuple(args))
     propagate_meta(new, product)
     product.replace_all_uses_with(new)
@@ -198,6 +212,9 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
             record.miss(site, f"zero-size gate and up {shape(g)}: nothing to accelerate")
             continue
         try:
+            if not options.absorb_mlp_projections:
+                raise Unabsorbable("absorb_mlp_projections=False (keeps gate and up: under gradient checkpointing "
+                                   "the recompute would be paid twice)")
             gate, up = _projection(g), _projection(u)
             if gate.x is not up.x:
                 raise Unabsorbable("gate and up read different inputs")

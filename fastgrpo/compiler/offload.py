@@ -17,27 +17,33 @@ Without CUDA the same code runs with synchronous copies into plain host buffers 
 it; on a CPU-only machine the "offload" saves nothing).
 
 The checkpoint sits outside each layer's `__call__`, so a layer compiled on its own
-(`fastgrpo.compile_repeated_blocks(model)`, or `layer.compile(...)`) stays one compiled region and
-Dynamo never traces the offload logic. Under a whole-model `torch.compile` every layer call is a
-graph break and the layers run uncompiled unless they were compiled themselves: with offloading,
-compile the repeated blocks rather than the whole model. Enable offloading before the first
-compiled step: each layer's class is swapped for a subclass (parameter names and the state dict do
-not change), and Dynamo guards on a module's type, so enabling later costs one recompile per
-compiled layer graph. While enabled the model cannot be pickled (state_dict() is fine).
+(`fastgrpo.compile_repeated_blocks(model, offload_checkpointing=True)` does both in one call, or
+`layer.compile(...)`) stays one compiled region and Dynamo never traces the offload logic. Under a
+whole-model `torch.compile` every layer call is a graph break and the layers run uncompiled unless
+they were compiled themselves: with offloading, compile the repeated blocks rather than the whole
+model. Enable offloading before the first compiled step: each layer's class is swapped for a subclass
+(parameter names and the state dict do not change), and Dynamo guards on a module's type, so enabling
+later costs one recompile per compiled layer graph. While enabled the model cannot be pickled (state_dict() is fine).
 
     handle = enable_offloaded_checkpointing(model)   # also works on PEFT models
     ...train...
     handle.disable()                                  # the model is as it was
 
-Use it instead of HF's `gradient_checkpointing_enable()`, not on top of it: enabling switches the
-layers' own checkpointing flag off (disable() switches it back). PEFT's `enable_input_require_grads`
-is not needed (that is for reentrant checkpointing). Gradients are exactly those of plain
-non-reentrant checkpointing: `loss.backward()`, `torch.autograd.grad` and `retain_graph` all work, and
-RNG state and autocast are replayed by torch's checkpoint as usual. Other layer inputs (attention
+While enabled, each layer's HF checkpointing flag (`layer.gradient_checkpointing`, what
+`model.gradient_checkpointing_enable()` / `_disable()` set and `model.is_gradient_checkpointing`
+reads) switches *offloaded* checkpointing on and off for that layer: HF's own checkpoint never nests
+inside ours, and code that toggles checkpointing around generation (TRL, HF Trainer, PEFT's
+`prepare_model_for_kbit_training`) pauses and resumes offloading. Enabling turns it on;
+`gradient_checkpointing_kwargs` (reentrant, HF's `offload=`) are ignored: this is always
+non-reentrant. PEFT's `enable_input_require_grads` is not needed (that is for reentrant checkpointing).
+Gradients are exactly those of plain non-reentrant checkpointing: `loss.backward()`,
+`torch.autograd.grad` and `retain_graph` all work, and RNG state and autocast are replayed by torch's
+checkpoint as usual. Other layer inputs (attention
 masks, position embeddings) are shared by all layers and small; they stay where they are.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -47,12 +53,11 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from fastgrpo.compiler.regions import repeated_blocks
+from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
 
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"
-# Caches a checkpointed layer must not update twice (HF's GradientCheckpointingLayer drops them too).
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+_ABSENT = object()  # a layer had no instance value of HF's checkpointing flag
 
 
 @dataclass
@@ -112,14 +117,15 @@ class OffloadHandle:
 
     # ---- public -------------------------------------------------------------------------------------
     def disable(self) -> None:
-        """Put every layer back as it was (class and HF checkpointing flag); drop the host buffers."""
+        """Put every layer back as it was (class, and HF's checkpointing flag as it was before enabling);
+        drop the host buffers."""
         if not self._enabled:
             return
         for block in self.blocks:
             state = block.__dict__.pop("_fastgrpo_offload")
             block.__class__ = state.original_class
-            if state.hf_checkpointing:
-                block.gradient_checkpointing = True
+            if state.hf_flag is not _ABSENT:
+                block.__dict__["gradient_checkpointing"] = state.hf_flag
         self._slots.clear()
         self.stats.host_bytes = 0
         self._enabled = False
@@ -136,12 +142,7 @@ class OffloadHandle:
 
     # ---- the checkpointed call ------------------------------------------------------------------------
     def _checkpointed_call(self, block: nn.Module, layer: int, call, args: tuple, kwargs: dict):
-        if getattr(block, "gradient_checkpointing", False) is True:
-            raise RuntimeError(
-                "HF gradient checkpointing was switched on again over offloaded checkpointing (each layer would "
-                "be checkpointed twice); call model.gradient_checkpointing_disable() or handle.disable()"
-            )
-        for name in _CACHE_KWARGS:
+        for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:
                 warnings.warn(f"offloaded checkpointing: `{name}` set to None (a recompute would update the cache twice)")
                 kwargs[name] = None
@@ -263,32 +264,56 @@ class _BlockState:
     handle: OffloadHandle
     layer: int
     original_class: type
-    hf_checkpointing: bool  # HF's per-layer flag was on before enabling (restored by disable)
+    call: object  # the layer's call without HF's checkpointing (see _uncheckpointed_call)
+    hf_flag: object  # the instance's own HF checkpointing flag before enabling, or _ABSENT (restored by disable)
+    active: bool = True  # what `layer.gradient_checkpointing` reads while enabled
 
 
 @torch._dynamo.disable
 def _offloaded_checkpoint(block: nn.Module, state: _BlockState, args: tuple, kwargs: dict):
-    return state.handle._checkpointed_call(block, state.layer, state.original_class.__call__, args, kwargs)
+    return state.handle._checkpointed_call(block, state.layer, state.call, args, kwargs)
 
 
 def _offloaded_call(self: nn.Module, *args, **kwargs):
     state = self.__dict__["_fastgrpo_offload"]
-    if self.training and torch.is_grad_enabled():
+    if state.active and self.training and torch.is_grad_enabled():
         return _offloaded_checkpoint(self, state, args, kwargs)
-    return state.original_class.__call__(self, *args, **kwargs)
+    return state.call(self, *args, **kwargs)
+
+
+def _uncheckpointed_call(cls: type):
+    """The layer's `__call__` minus HF's checkpointing: `GradientCheckpointingLayer.__call__` only adds the
+    checkpoint (and drops caches for it) around `nn.Module.__call__`, which also reaches a compiled layer's
+    `_compiled_call_impl`. Its flag now means "offload", so its own checkpoint must not run."""
+    hf_layers = sys.modules.get("transformers.modeling_layers")
+    if hf_layers is not None and cls.__call__ is hf_layers.GradientCheckpointingLayer.__call__:
+        return nn.Module.__call__
+    return cls.__call__
+
+
+def _get_checkpointing_flag(self) -> bool:
+    return self.__dict__["_fastgrpo_offload"].active
+
+
+def _set_checkpointing_flag(self, value) -> None:
+    self.__dict__["_fastgrpo_offload"].active = bool(value)
 
 
 _OFFLOADED_CLASSES: dict[type, type] = {}
 
 
 def _offloaded_class(cls: type) -> type:
-    """A subclass of the layer's class whose `__call__` checkpoints with offloading.
+    """A subclass of the layer's class whose `__call__` checkpoints with offloading and whose
+    `gradient_checkpointing` flag (a property, so HF's setters reach it) switches that on and off.
 
     Swapping the instance's class (rather than wrapping the module) keeps parameter names, the state
-    dict and a compiled layer's `_compiled_call_impl`, which the original `__call__` still reaches."""
+    dict and a compiled layer's `_compiled_call_impl`."""
     if cls not in _OFFLOADED_CLASSES:
-        _OFFLOADED_CLASSES[cls] = type(f"Offloaded{cls.__name__}", (cls,), {"__call__": _offloaded_call,
-                                                                             "__module__": cls.__module__})
+        _OFFLOADED_CLASSES[cls] = type(f"Offloaded{cls.__name__}", (cls,), {
+            "__call__": _offloaded_call,
+            "gradient_checkpointing": property(_get_checkpointing_flag, _set_checkpointing_flag),
+            "__module__": cls.__module__,
+        })
     return _OFFLOADED_CLASSES[cls]
 
 
@@ -297,7 +322,8 @@ def enable_offloaded_checkpointing(model: nn.Module, keep_last: int = 1) -> Offl
 
     Works on any model whose layers form an `nn.ModuleList` of one type (found structurally), PEFT
     models included, with the layers compiled or not. The last `keep_last` layers keep their input on
-    the device. Layers are checkpointed only in training mode with grad enabled, like HF's flag.
+    the device. Layers are checkpointed only in training mode with grad enabled and while their
+    `gradient_checkpointing` flag is on (it is on after enabling), like HF's checkpointing.
     Returns a handle: `handle.disable()` restores the model; `handle.stats` counts copies and buffers."""
     blocks = repeated_blocks(model)
     if blocks is None:
@@ -308,19 +334,25 @@ def enable_offloaded_checkpointing(model: nn.Module, keep_last: int = 1) -> Offl
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     handle = OffloadHandle(blocks, keep_last)
     for layer, block in enumerate(blocks):
-        state = _BlockState(handle, layer, type(block), getattr(block, "gradient_checkpointing", False) is True)
-        if state.hf_checkpointing:
-            block.gradient_checkpointing = False  # ours replaces it
-        block.__dict__["_fastgrpo_offload"] = state
-        block.__class__ = _offloaded_class(type(block))
+        cls = type(block)
+        # HF's flag now lives in the state (the subclass's property shadows the instance value).
+        hf_flag = block.__dict__.pop("gradient_checkpointing", _ABSENT)
+        block.__dict__["_fastgrpo_offload"] = _BlockState(handle, layer, cls, _uncheckpointed_call(cls), hf_flag)
+        block.__class__ = _offloaded_class(cls)
     return handle
+
+
+def offload_handle(model: nn.Module) -> OffloadHandle | None:
+    """The handle of the offloaded checkpointing enabled on `model`, or None."""
+    blocks = repeated_blocks(model)
+    state = blocks[0].__dict__.get("_fastgrpo_offload") if blocks is not None else None
+    return None if state is None else state.handle
 
 
 def disable_offloaded_checkpointing(model: nn.Module) -> bool:
     """Undo `enable_offloaded_checkpointing` on `model`; False if it was not enabled."""
-    blocks = repeated_blocks(model)
-    state = blocks[0].__dict__.get("_fastgrpo_offload") if blocks is not None else None
-    if state is None:
+    handle = offload_handle(model)
+    if handle is None:
         return False
-    state.handle.disable()
+    handle.disable()
     return True

@@ -1,0 +1,206 @@
+"""GRPO step throughput from 1 to N GPUs: the fastgrpo step of bench/grpo_step.py under DDP (LoRA parameters).
+
+Each rank builds the Qwen2.5-1.5B-shaped LoRA policy of grpo_step.py (decoder layers compiled with the fastgrpo
+backend) and runs the GRPO policy-loss step on its own batch of G=8 completions of a 256-token prompt. One
+process: grpo_step's own step, no DDP. Several: the decoder wrapped in DistributedDataParallel, so the LoRA
+gradients are all-reduced during the backward. Prints tokens/s over all ranks (the slowest rank's median step
+sets the pace), each rank's peak memory, and the scaling efficiency tokens/s(N) / (N * tokens/s(1)), with the
+1-process numbers taken from --baseline-json or, with --local-baseline, measured in the same launch by running
+the step without DDP on every rank first.
+
+    torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096
+    torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --baseline-json $OUT/grpo_scaling.json
+    torchrun --nproc_per_node 2 bench/grpo_scaling.py --tiny --inner aot_eager       # CPU, gloo: the script runs
+
+With OUT set, each run adds its records to $OUT/grpo_scaling.json (created if missing).
+"""
+import os
+
+# Required on the GPU host (see ../shared KINDS.md): no NVLink SHARP / multicast in NCCL and symmetric memory.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # grpo_step beside this file; fastgrpo from the checkout
+import grpo_step  # noqa: E402  (the anchor workload: build_policy, make_step, grpo_loss, PROMPT, GROUP)
+
+
+def ddp_step(ddp_decoder, head: torch.Tensor, completion: int):
+    """grpo_step.make_step("fastgrpo") with the decoder called through its DDP wrapper (which syncs gradients)."""
+    from fastgrpo.kernels.selective_logprob import selective_logprob
+
+    def step(ids, mask, adv):
+        hidden = ddp_decoder(input_ids=ids, use_cache=False).last_hidden_state[:, -completion - 1 : -1]
+        grpo_step.grpo_loss(selective_logprob(hidden, head, ids[:, -completion:]), mask, adv).backward()
+
+    return step
+
+
+def time_step(step, model, completion: int, vocab: int, device, warmup: int, repeat: int, rank: int) -> dict:
+    """Median step time on this rank (after warm-up) and its peak memory."""
+    generator = torch.Generator().manual_seed(rank)  # each rank its own batch
+    ids = torch.randint(0, vocab, (grpo_step.GROUP, grpo_step.PROMPT + completion), generator=generator).to(device)
+    mask = torch.ones(grpo_step.GROUP, completion, device=device)
+    adv = torch.randn(grpo_step.GROUP, generator=generator).to(device)
+    for _ in range(warmup):
+        step(ids, mask, adv)
+        model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()  # every rank starts the step together, so a rank's time includes waiting in the all-reduce
+        start = time.perf_counter()
+        step(ids, mask, adv)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"ms": statistics.median(times), "peak_gib": peak}
+
+
+def gather(value) -> list:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def summarize(per_rank: list[dict], world: int, completion: int, ddp: bool) -> dict:
+    ms = max(r["ms"] for r in per_rank)
+    tokens = world * grpo_step.GROUP * (grpo_step.PROMPT + completion)
+    peaks = [r["peak_gib"] for r in per_rank]
+    return {
+        "gpus": world, "completion": completion, "ddp": ddp, "step_ms": round(ms, 1),
+        "rank_ms": [round(r["ms"], 1) for r in per_rank], "tokens_per_s": round(tokens / ms * 1e3),
+        "peak_gib": [None if p is None else round(p, 2) for p in peaks],
+    }  # fmt: skip
+
+
+def efficiency(record: dict, baseline: dict | None) -> float | None:
+    if baseline is None:
+        return None
+    return record["tokens_per_s"] / (record["gpus"] * baseline["tokens_per_s"])
+
+
+def load_baselines(path: str) -> dict[int, dict]:
+    """1-process records of an earlier run, by completion length."""
+    with open(path) as f:
+        records = json.load(f)["records"]
+    return {r["completion"]: r for r in records if r["gpus"] == 1 and not r["ddp"]}
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| GPUs | completion | DDP | step ms (slowest rank) | tokens/s (all ranks) | peak GiB per rank | scaling efficiency |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in records:
+        peaks = ", ".join("-" if p is None else f"{p}" for p in r["peak_gib"])
+        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f} (vs {r['baseline']})"
+        lines.append(f"| {r['gpus']} | {r['completion']} | {'yes' if r['ddp'] else 'no'} | {r['step_ms']:.0f} | "
+                     f"{r['tokens_per_s']} | {peaks} | {eff} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--completions", default="1024,4096")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="grpo_step's 2-layer model: checks the script (CPU + gloo is fine)")
+    parser.add_argument("--baseline-json", help="a grpo_scaling.json holding 1-process records to compare against")
+    parser.add_argument("--local-baseline", action="store_true",
+                        help="also time the step without DDP on every rank first, as the 1-process baseline")
+    parser.add_argument("--inner", choices=["inductor", "aot_eager", "eager"],
+                        help="the fastgrpo backend's inner compiler (default: grpo_step's, i.e. inductor)")
+    args = parser.parse_args()
+    completions = [int(c) for c in args.completions.split(",")]
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)  # build_policy allocates on the current device
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+    model = grpo_step.build_policy("fastgrpo", grpo_step.PROMPT + max(completions) + 8, args.tiny)
+    base = model.get_base_model()
+    if args.inner is not None:
+        import fastgrpo
+
+        fastgrpo.compile_repeated_blocks(base, options={"inner": args.inner}, dynamic=grpo_step.DYNAMIC)
+    vocab, head = model.config.vocab_size, base.get_output_embeddings().weight
+    ddp = None
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Only the LoRA parameters train, so only they are all-reduced; the rotary buffers are the same on every
+        # rank and need no broadcast each step. Wrapping broadcasts rank 0's weights once.
+        ddp = DistributedDataParallel(base.get_decoder(), device_ids=[local_rank] if cuda else None,
+                                      broadcast_buffers=False, gradient_as_bucket_view=True)  # fmt: skip
+
+    baselines = load_baselines(args.baseline_json) if args.baseline_json else {}
+    records = []
+    for completion in completions:
+        plain = grpo_step.make_step("fastgrpo", model, completion)
+        if world == 1 or args.local_baseline:
+            result = summarize(gather(time_step(plain, model, completion, vocab, device, args.warmup, args.repeat, rank)),
+                               world, completion, ddp=False)  # fmt: skip
+            if world > 1:
+                # Every rank ran alone (no all-reduce): the per-GPU baseline, timed in this launch.
+                result.update(gpus=1, tokens_per_s=round(result["tokens_per_s"] / world), concurrent_ranks=world)
+            baselines.setdefault(completion, result)
+            records.append(result)
+        if ddp is not None:
+            step = ddp_step(ddp, head, completion)
+            result = summarize(gather(time_step(step, model, completion, vocab, device, args.warmup, args.repeat, rank)),
+                               world, completion, ddp=True)  # fmt: skip
+            records.append(result)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for record in records:
+        baseline = baselines.get(record["completion"])
+        if record["gpus"] > 1 and baseline is not None:
+            record["efficiency"] = round(efficiency(record, baseline), 3)
+            record["baseline"] = "same launch" if baseline.get("concurrent_ranks") else "--baseline-json"
+
+    if rank == 0:
+        import fastgrpo
+
+        matched = {}
+        for report in fastgrpo.fusion_reports():
+            for name, rec in report["patterns"].items():
+                matched[name] = matched.get(name, 0) + rec["matched"]
+        print(f"fastgrpo (rank 0): {len(fastgrpo.fusion_reports())} graphs compiled, sites matched: {matched}")
+        device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        for record in records:
+            record.update(device=device_name, tiny=args.tiny)
+            print("RESULT " + json.dumps(record), flush=True)
+        if os.environ.get("OUT"):
+            path = os.path.join(os.environ["OUT"], "grpo_scaling.json")
+            saved = {"records": []}
+            if os.path.exists(path):
+                with open(path) as f:
+                    saved = json.load(f)
+            saved["records"] += records
+            with open(path, "w") as f:
+                json.dump(saved, f, indent=1)
+        print(table(records))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

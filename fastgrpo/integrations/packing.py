@@ -1,0 +1,449 @@
+"""Padding-free GRPO forwards: the rows of a batch packed into one sequence, optionally sharing each prompt.
+
+TRL hands the model rows laid out as [left-padded prompt | right-padded completion]. A padded
+forward spends compute on the padding and, within a group of G completions, recomputes the same
+prompt G times. Here the rows become one sequence of length T = sum of real tokens:
+
+- `plan_packing` lists the packed tokens with per-token metadata: a position id that restarts at 0
+  in every row (RoPE sees what it saw at generation), a group id (the rows that see each other's
+  tokens: one row, or with `share_prompt` the rows behind one prompt), a segment id and an
+  is-prompt flag. With sharing, a group's prompt is packed once and followed by its completions,
+  whose positions continue from the prompt length: prompt + c1 + ... + cG.
+- `PackPlan.mask_mod` is the attention rule, one function for every mechanism: a query sees a key
+  of its own group at or before it, in its own segment or in the group's prompt (and, for
+  sliding-window layers, fewer than `window` positions back).
+- `attention_masks` turns that rule into what the model's attention takes: a flex_attention
+  `BlockMask` (CUDA: built from per-128-token-block id ranges, O((T/128)^2), no [T, T] tensor), or a dense
+  [1, 1, T, T] mask for SDPA / eager attention (CPU, where flex_attention has no backward; only
+  small T belong there).
+- The scored positions (labels != -100) are read off the packed hidden states at `plan.source`
+  and written back with `plan.rows, plan.cols` into TRL's padded [B, S - 1] layout.
+
+Pure torch and transformers; the caller (fastgrpo.integrations.trl) decides when to use it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,
+# state-space or convolution mixers) carries state along the sequence and would leak across rows.
+ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
+FLEX_BLOCK_SIZE = 128
+# Above this many packed tokens the dense-mask mechanism (CPU) refuses: a [T, T] mask would be too big.
+DENSE_MASK_MAX_TOKENS = 8192
+
+
+@dataclass
+class PackPlan:
+    """One packed sequence and how it maps back to the padded batch it came from."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T], restarting at 0 per group (completions continue after a shared prompt)
+    group: torch.Tensor  # [T_pad] int; T_pad = T rounded up to FLEX_BLOCK_SIZE, padding gets group -1
+    segment: torch.Tensor  # [T_pad] int
+    is_prompt: torch.Tensor  # [T_pad] bool: a shared prompt token (visible to the whole group)
+    positions: torch.Tensor  # [T_pad] position ids again, padded, for the sliding-window rule
+    source: torch.Tensor  # [N] packed index whose hidden state scores each labelled token
+    targets: torch.Tensor  # [N] the labelled token ids
+    rows: torch.Tensor  # [N] row of each scored token in the padded batch
+    cols: torch.Tensor  # [N] its column in the shifted [B, S - 1] layout (label column - 1)
+    batch_shape: tuple[int, int]  # (B, S - 1)
+    shared_rows: int  # rows whose prompt was packed once for several rows (0 without sharing)
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def mask_mod(self, window: int | None = None):
+        """The attention rule as a flex_attention mask_mod (also evaluated densely for SDPA/eager)."""
+        group, segment, is_prompt, positions = self.group, self.segment, self.is_prompt, self.positions
+
+        def packed_mask(batch, head, q, kv):
+            visible = (group[q] == group[kv]) & (kv <= q) & ((segment[q] == segment[kv]) | is_prompt[kv])
+            return visible & (group[q] >= 0)
+
+        if window is None:
+            return packed_mask
+
+        def packed_sliding_mask(batch, head, q, kv):
+            return packed_mask(batch, head, q, kv) & (positions[q] - positions[kv] < window)
+
+        return packed_sliding_mask
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-scored-token values [N] into the padded [B, S - 1] layout, zero elsewhere."""
+        out = values.new_zeros(self.batch_shape)
+        return out.index_put((self.rows, self.cols), values)
+
+    def scored_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.batch_shape, dtype=torch.bool, device=self.rows.device)
+        return mask.index_put((self.rows, self.cols), torch.ones_like(self.rows, dtype=torch.bool))
+
+
+def plan_packing(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    prompt_columns: int | None = None,
+    share_prompt: bool = False,
+) -> tuple[PackPlan | None, str | None, str | None]:
+    """Pack rows of [left-padded prompt | right-padded completion]; returns (plan, failure, no_sharing).
+
+    `labels` as TRL passes them to the model (shifted inside: the token at column c is scored from
+    the hidden state at column c - 1; -100 = not scored). With `share_prompt`, consecutive rows whose
+    prompts (columns < `prompt_columns`) are identical are packed as one prompt followed by their
+    completions. `failure` says why the batch cannot be packed at all (plan None); `no_sharing` why
+    sharing was asked for but not done (the plan is then plain packing).
+    """
+    rows, columns = input_ids.shape
+    device = input_ids.device
+    real = attention_mask.bool()
+    scored = labels != -100
+    counts = real.sum(1)
+    first = torch.where(counts > 0, real.int().argmax(1), columns)
+    last = torch.where(counts > 0, columns - 1 - real.flip(1).int().argmax(1), -1)
+    col = torch.arange(columns, device=device)
+    if not bool(((last - first + 1).clamp(min=0) == counts).all()):
+        return None, "a row's attention mask has holes (real tokens are not contiguous)", None
+    if bool((scored & ~real).any()):
+        return None, "a label sits on a padding position", None
+    if bool((scored & (col == first[:, None])).any()):
+        return None, "a row's first real token is labelled (no earlier position to score it from)", None
+
+    no_sharing = None
+    same_as_previous = torch.zeros(rows, dtype=torch.bool, device=device)
+    if share_prompt:
+        no_sharing = _sharing_problem(rows, first, last, scored, col, prompt_columns)
+        if no_sharing is None:
+            p = prompt_columns
+            differs = ((input_ids[1:, :p] != input_ids[:-1, :p]) & real[1:, :p]).any(1) | (first[1:] != first[:-1])
+            same_as_previous[1:] = ~differs
+            if not bool(same_as_previous.any()):
+                no_sharing = "no two consecutive rows have the same prompt"
+
+    # The layout is built on the host from a few numbers per row (small ops, no kernel launches), then moved.
+    host = torch.device("cpu")
+    first_l, last_l, share_l = first.tolist(), last.tolist(), same_as_previous.tolist()
+    flat_index, positions, groups, segments, prompt_flags = [], [], [], [], []
+    packed_of = torch.full((rows, columns), -1, dtype=torch.long)
+    cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
+    sharing = share_prompt and no_sharing is None
+    prompt_span = None  # (packed start, length) of the current group's shared prompt
+    for row in range(rows):
+        start, stop = first_l[row], last_l[row] + 1
+        if stop <= start:
+            continue
+        if sharing:
+            if not share_l[row]:
+                group_id += 1
+                segment_id += 1
+                prompt_span = (cursor, prompt_columns - start)
+                _append(flat_index, positions, groups, segments, prompt_flags, row * columns + start,
+                        prompt_columns - start, 0, group_id, segment_id, True, host)
+                cursor += prompt_columns - start
+            packed_start, prompt_len = prompt_span
+            packed_of[row, start:prompt_columns] = torch.arange(packed_start, packed_start + prompt_len)
+            segment_id += 1
+            length = stop - prompt_columns
+            _append(flat_index, positions, groups, segments, prompt_flags, row * columns + prompt_columns,
+                    length, prompt_len, group_id, segment_id, False, host)
+            packed_of[row, prompt_columns:stop] = torch.arange(cursor, cursor + length)
+        else:
+            group_id += 1
+            segment_id += 1
+            length = stop - start
+            _append(flat_index, positions, groups, segments, prompt_flags, row * columns + start,
+                    length, 0, group_id, segment_id, False, host)
+            packed_of[row, start:stop] = torch.arange(cursor, cursor + length)
+        cursor += length
+    if cursor == 0:
+        return None, "every row is empty", None
+    if share_prompt and no_sharing is None:
+        # Rows that reuse an earlier row's prompt, plus the rows they reuse it from.
+        starts_run = torch.zeros(rows, dtype=torch.bool, device=device)
+        starts_run[:-1] = same_as_previous[1:] & ~same_as_previous[:-1]
+        shared_rows = int(same_as_previous.sum() + starts_run.sum())
+
+    total = cursor
+    padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
+    flat = torch.cat(flat_index).to(device)
+    position = torch.cat(positions).to(device)
+    packed_of = packed_of.to(device)
+
+    def pad(values, fill):
+        return torch.cat([values, values.new_full((padded - total,), fill)]).to(device)
+
+    scored_rows, scored_cols = scored.nonzero(as_tuple=True)
+    plan = PackPlan(
+        input_ids=input_ids.reshape(-1)[flat][None],
+        position_ids=position[None],
+        group=pad(torch.cat(groups), -1),
+        segment=pad(torch.cat(segments), -1),
+        is_prompt=pad(torch.cat(prompt_flags), False),
+        positions=pad(position, 0),
+        source=packed_of[scored_rows, scored_cols - 1],
+        targets=input_ids[scored_rows, scored_cols],
+        rows=scored_rows,
+        cols=scored_cols - 1,
+        batch_shape=(rows, columns - 1),
+        shared_rows=shared_rows,
+    )
+    return plan, None, no_sharing
+
+
+def _append(flat_index, positions, groups, segments, prompt_flags, flat_start, length, first_position, group,
+            segment, is_prompt, device):
+    flat_index.append(torch.arange(flat_start, flat_start + length, device=device))
+    positions.append(torch.arange(first_position, first_position + length, device=device))
+    groups.append(torch.full((length,), group, dtype=torch.int32, device=device))
+    segments.append(torch.full((length,), segment, dtype=torch.int32, device=device))
+    prompt_flags.append(torch.full((length,), is_prompt, dtype=torch.bool, device=device))
+
+
+def _sharing_problem(rows, first, last, scored, col, prompt_columns) -> str | None:
+    if prompt_columns is None:
+        return "the prompt/completion boundary is unknown"
+    if rows < 2:
+        return "a single row"
+    if bool((first >= prompt_columns).any()):
+        return "a row has an empty prompt"
+    if bool((last < prompt_columns - 1).any()):
+        return "a row's real tokens end inside the prompt columns"
+    if bool((scored & (col < prompt_columns)).any()):
+        return "prompt tokens are labelled"
+    return None
+
+
+def layer_kinds(config) -> list[str]:
+    """Attention kind of every decoder layer, read from the text config."""
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None)
+    if kinds is None:
+        sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+        kinds = ["sliding_attention" if sliding else "full_attention"] * text.num_hidden_layers
+    return list(kinds)
+
+
+_MAPPING_SUPPORT: dict[type, bool] = {}
+
+
+def takes_mask_mapping(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder's forward accepts {layer kind: mask} as attention_mask (transformers' idiom for
+    models mixing full and sliding-window layers)."""
+    cls = type(decoder)
+    if cls not in _MAPPING_SUPPORT:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        _MAPPING_SUPPORT[cls] = "causal_mask_mapping := attention_mask" in source
+    return _MAPPING_SUPPORT[cls]
+
+
+def unsupported_reason(config, decoder: torch.nn.Module, plan: PackPlan | None = None) -> str | None:
+    """Why this model cannot run packed (None: it can). With a plan, also checks the sliding windows."""
+    text = config.get_text_config()
+    if getattr(text, "is_encoder_decoder", False):
+        return "encoder-decoder models are not packed"
+    kinds = layer_kinds(config)
+    others = sorted(set(kinds) - ATTENTION_LAYER_KINDS)
+    if others:
+        return f"layers of kind {others} carry state along the sequence (only attention layers can be packed)"
+    if getattr(text, "attention_chunk_size", None):
+        return "chunked attention is not packed"
+    if plan is not None and "sliding_attention" in kinds and "full_attention" in kinds:
+        if _window_matters(text, plan) and not takes_mask_mapping(decoder):
+            return (f"{type(decoder).__name__} mixes sliding-window and full attention layers but takes a single "
+                    "attention mask, so the packed sliding-window mask cannot be given to its sliding layers")
+    return None
+
+
+def _window_matters(text_config, plan: PackPlan) -> bool:
+    window = getattr(text_config, "sliding_window", None)
+    return window is not None and int(plan.positions.max()) + 1 > window
+
+
+def attention_masks(plan: PackPlan, config, implementation: str, dtype: torch.dtype = torch.float32):
+    """What the decoder takes as `attention_mask` for the packed sequence.
+
+    `implementation`: "flex_attention" -> BlockMask; "sdpa" -> boolean [1, 1, T, T]; "eager" -> additive
+    float [1, 1, T, T] in `dtype`. Models whose sliding window matters get a {layer kind: mask} dict when
+    they mix layer kinds (see `unsupported_reason`), or the sliding mask when all layers slide.
+    """
+    text = config.get_text_config()
+    kinds = set(layer_kinds(config))
+    window = text.sliding_window if "sliding_attention" in kinds and _window_matters(text, plan) else None
+
+    def build(sliding: int | None):
+        if implementation == "flex_attention":
+            return block_mask(plan, sliding)
+        mask_dtype = None if implementation == "sdpa" else dtype
+        return dense_mask(plan.mask_mod(sliding), plan.length, plan.group.device, mask_dtype)
+
+    if window is None:
+        return build(None)
+    if kinds == {"sliding_attention"}:
+        return build(window)
+    return {"full_attention": build(None), "sliding_attention": build(window)}
+
+
+def dense_mask(mask_mod, length: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[1, 1, T, T] mask from `mask_mod`: boolean (True = attend) or, with `dtype`, additive (0 / dtype min)."""
+    index = torch.arange(length, device=device)
+    allowed = mask_mod(None, None, index[:, None], index[None, :])[None, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def block_mask(plan: PackPlan, window: int | None = None):
+    """The flex_attention BlockMask of `plan.mask_mod(window)`, from per-block summaries: O((T/128)^2), no [T, T].
+
+    For every pair of 128-token blocks, ranges of group, segment and position ids decide whether no pair
+    can be visible (skipped), every pair is (a "full" block: mask_mod not applied) or some may be
+    (a partial block: mask_mod decides per pair). The bounds only ever err towards "partial", which
+    costs time, never correctness.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    size = FLEX_BLOCK_SIZE
+    blocks = plan.group.numel() // size
+    valid = (plan.group >= 0).view(blocks, size)
+    big = torch.iinfo(torch.int32).max
+
+    def low(values):
+        return torch.where(valid, values.view(blocks, size).int(), big).amin(1)
+
+    def high(values):
+        return torch.where(valid, values.view(blocks, size).int(), -1).amax(1)
+
+    group_lo, group_hi = low(plan.group), high(plan.group)
+    segment_lo, segment_hi = low(plan.segment), high(plan.segment)
+    position_lo, position_hi = low(plan.positions), high(plan.positions)
+    prompt = plan.is_prompt.view(blocks, size)
+    any_prompt, all_prompt = (prompt & valid).any(1), (prompt | ~valid).all(1)
+    complete = valid.all(1)
+    q, kv = (slice(None), None), (None, slice(None))  # rows: query blocks, columns: key blocks
+    index = torch.arange(blocks, device=plan.group.device)
+
+    overlap_groups = (group_lo[q] <= group_hi[kv]) & (group_lo[kv] <= group_hi[q])
+    overlap_segments = (segment_lo[q] <= segment_hi[kv]) & (segment_lo[kv] <= segment_hi[q])
+    some = (index[kv] <= index[q]) & overlap_groups & (overlap_segments | any_prompt[kv])
+    one_group = (group_lo == group_hi)
+    one_segment = (segment_lo == segment_hi)
+    same_segment = one_segment[q] & one_segment[kv] & (segment_lo[q] == segment_lo[kv])
+    every = (
+        (index[kv] < index[q]) & complete[q] & complete[kv]
+        & one_group[q] & one_group[kv] & (group_lo[q] == group_lo[kv])
+        & (same_segment | all_prompt[kv])
+    )
+    if window is not None:
+        some &= position_lo[q] - position_hi[kv] < window
+        every &= position_hi[q] - position_lo[kv] < window
+    every &= some
+    partial = some & ~every
+
+    def to_indices(flags):
+        counts = flags.sum(-1, dtype=torch.int32)
+        order = torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    kv_num, kv_indices = to_indices(partial)
+    full_num, full_indices = to_indices(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=size,
+                                    mask_mod=plan.mask_mod(window), seq_lengths=(plan.length, plan.length))
+
+
+@contextlib.contextmanager
+def attention_implementation(config, name: str):
+    """Run the model with `config._attn_implementation = name` (its attention modules read it per call)."""
+    previous = config._attn_implementation
+    if previous == name:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@dataclass
+class PackedCall:
+    plan: PackPlan
+    implementation: str  # the attention implementation to run the packed forward with
+    kwargs: dict  # for the decoder: input_ids, position_ids, attention_mask, use_cache
+
+
+class Packer:
+    """Decides per forward whether a batch runs packed, and builds the call; says once per reason why not.
+
+    `attention`: "auto" (flex_attention on CUDA; on CPU the model's own SDPA/eager attention with a
+    dense mask, up to DENSE_MASK_MAX_TOKENS), "flex_attention", or "dense".
+    """
+
+    def __init__(self, share_prompt: bool = False, attention: str = "auto"):
+        if attention not in ("auto", "flex_attention", "dense"):
+            raise ValueError(f"attention={attention!r}; use 'auto', 'flex_attention' or 'dense'")
+        self.share_prompt = share_prompt
+        self.attention = attention
+        self.said: set[str] = set()
+        self.last_plan: PackPlan | None = None
+
+    def say_once(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            warnings.warn(f"fastgrpo: {message}", stacklevel=3)
+
+    def fall_back(self, reason: str) -> None:
+        self.say_once(f"this batch runs padded, not packed: {reason}")
+
+    def prepare(self, model, inputs: dict, labels, prompt_columns: int | None) -> PackedCall | None:
+        """The packed call for `model(**inputs, labels=labels)` (a causal LM), or None to run it padded."""
+        extra = sorted(k for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "use_cache") and v is not None)
+        if extra:
+            return self.fall_back(f"inputs {extra} are not packed")
+        input_ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+        if input_ids is None or mask is None or labels is None or input_ids.dim() != 2:
+            return self.fall_back("packing needs 2-D input_ids, an attention_mask and labels")
+        decoder = model.base_model
+        if reason := unsupported_reason(model.config, decoder):
+            return self.fall_back(reason)
+        plan, failure, no_sharing = plan_packing(input_ids, mask, labels.to(input_ids.device), prompt_columns,
+                                                 self.share_prompt)
+        if failure:
+            return self.fall_back(failure)
+        if self.share_prompt and no_sharing:
+            self.say_once(f"prompts not shared in a batch ({no_sharing}); its rows are packed one by one")
+        if reason := unsupported_reason(model.config, decoder, plan):
+            return self.fall_back(reason)
+        implementation = self._implementation(model.config, input_ids.device, plan)
+        if implementation.startswith("!"):
+            return self.fall_back(implementation[1:])
+        dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(
+            input_ids.device.type) else model.get_input_embeddings().weight.dtype
+        masks = attention_masks(plan, model.config, implementation, dtype)
+        for dense in (masks.values() if isinstance(masks, dict) else [masks]):
+            if isinstance(dense, torch.Tensor):  # the packed length changes every batch: compile it dynamic
+                torch._dynamo.maybe_mark_dynamic(dense, 2)
+                torch._dynamo.maybe_mark_dynamic(dense, 3)
+        self.last_plan = plan
+        kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
+        return PackedCall(plan, implementation, kwargs)
+
+    def _implementation(self, config, device, plan: PackPlan) -> str:
+        """The attention implementation to use, or "!reason" when none fits."""
+        if self.attention == "flex_attention" or (self.attention == "auto" and device.type == "cuda"):
+            return "flex_attention"
+        own = config.get_text_config()._attn_implementation
+        if own not in ("sdpa", "eager"):
+            return f"!the dense-mask packing runs SDPA or eager attention; the model uses {own!r}"
+        if plan.length > DENSE_MASK_MAX_TOKENS:
+            return (f"!{plan.length} packed tokens is over DENSE_MASK_MAX_TOKENS={DENSE_MASK_MAX_TOKENS} for a dense "
+                    f"[T, T] mask on {device.type} (flex_attention, used on CUDA, has no such limit)")
+        return own

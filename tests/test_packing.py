@@ -1,0 +1,361 @@
+"""Padding-free forwards (fastgrpo.integrations.packing): packed and shared-prompt log-probs, entropies and LoRA
+gradients equal the padded path's, on tiny models of several architectures (CPU, fp32), and through the trainer.
+
+On CPU packing runs the model's SDPA/eager attention with a dense mask (flex_attention has no CPU backward); the
+flex_attention BlockMask is checked here without gradients and, with gradients, by the `gpu` tests.
+"""
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+import fastgrpo
+from fastgrpo.integrations import packing
+from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, plan_packing
+from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
+from tests.tiny_models import tiny_model
+
+PROMPT_COLUMNS, COMPLETION_COLUMNS = 7, 9
+# (prompt length, completion length) per row: groups of identical prompts (rows 0-2, 3-4, 6-7), very different
+# lengths, a completion of one token, an empty completion (TRL's mask_truncated_completions), a one-token prompt,
+# and completions that fill every column (truncated, no EOS).
+ROWS = [(7, 9), (7, 1), (7, 5), (3, 9), (3, 0), (1, 2), (5, 9), (5, 3)]
+SHARED = {1: 0, 2: 0, 4: 3, 7: 6}  # row -> the row whose prompt it repeats
+# Rows spanning several 128-token flex_attention blocks (some blocks inside one row, some across rows).
+LONG_ROWS, LONG_SHARED = [(60, 400), (60, 20), (60, 90), (1, 300), (33, 1), (33, 0)], {1: 0, 2: 0, 5: 4}
+ARCHS = {
+    "llama": {},
+    "qwen3": {},  # q/k norms
+    "gemma2": dict(sliding_window=4),  # softcaps, sliding + full layers (a {kind: mask} mapping), window < rows
+    "gemma3": dict(sliding_window=4),  # q/k norms, both tiny layers sliding (one sliding mask)
+    "phi3": dict(partial_rotary_factor=0.5),  # fused qkv / gate_up, partial rotary
+}
+
+
+def padded_batch(vocab: int, rows=ROWS, shared=SHARED, seed: int = 0):
+    """TRL's layout [left-padded prompt | right-padded completion] with labels on the completion tokens;
+    `shared` maps a row to an earlier row whose prompt it repeats."""
+    prompt_columns, completion_columns = max(p for p, _ in rows), max(c for _, c in rows)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (len(rows), prompt_columns + completion_columns), generator=generator)
+    for row, source in shared.items():
+        ids[row, :prompt_columns] = ids[source, :prompt_columns]
+    mask = torch.zeros_like(ids)
+    for row, (prompt, completion) in enumerate(rows):
+        mask[row, prompt_columns - prompt : prompt_columns + completion] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :prompt_columns] = -100
+    return ids, mask, labels
+
+
+def head_on(model, compiled: bool = False) -> LogprobHead:
+    backbone = CompiledBackbone(compiled, {"inner": "aot_eager"})
+    head = LogprobHead(temperature=0.7, cast_lm_head_to_fp32=False, logprob_chunk=5, backbone=backbone)
+    head.install(model.get_base_model())
+    head.prompt_columns = PROMPT_COLUMNS
+    return head
+
+
+def run(model, head, packer, batch, completions=COMPLETION_COLUMNS, grad=True):
+    """Log-probs, entropies, label mask (completion columns) and LoRA grads of one forward with `packer`."""
+    head.packer = packer
+    ids, mask, labels = batch
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grad):
+        out = model.get_base_model()(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    log_probs, entropy = out.log_probs[:, -completions:], out.entropy[:, -completions:]
+    grads = {}
+    if grad:
+        # Different weights per position and an entropy term, so a misplaced value changes the gradients.
+        weights = torch.linspace(-1, 2, log_probs.numel()).view_as(log_probs)
+        ((log_probs * weights).sum() + 0.1 * entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), entropy.detach(), out.label_mask[:, -completions:], grads
+
+
+def assert_same(expected, actual, rtol=1e-5):
+    (lp, ent, mask, grads), (lp2, ent2, mask2, grads2) = expected, actual
+    assert torch.equal(mask, mask2)
+    torch.testing.assert_close(lp2, lp, rtol=rtol, atol=rtol)
+    torch.testing.assert_close(ent2, ent, rtol=rtol, atol=rtol)
+    assert grads.keys() == grads2.keys()
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        scale = grad.abs().max()
+        assert (grads2[name] - grad).abs().max() <= 10 * rtol * scale, name
+
+
+# ---- the plan ----
+
+
+def test_plan_layout_positions_and_sources():
+    ids, mask, labels = padded_batch(vocab=50)
+    plan, failure, no_sharing = plan_packing(ids, mask, labels, PROMPT_COLUMNS, share_prompt=False)
+    assert failure is None and no_sharing is None and plan.shared_rows == 0
+    assert plan.length == sum(p + c for p, c in ROWS)
+    starts, cursor = [], 0
+    for prompt, completion in ROWS:
+        starts.append(cursor)
+        assert plan.position_ids[0, cursor : cursor + prompt + completion].tolist() == list(range(prompt + completion))
+        cursor += prompt + completion
+    # Each scored token is read from the hidden state of the token before it, in its own row.
+    for r, c, s, t in zip(plan.rows.tolist(), plan.cols.tolist(), plan.source.tolist(), plan.targets.tolist()):
+        prompt = ROWS[r][0]
+        assert s == starts[r] + (c + 1) - (PROMPT_COLUMNS - prompt) - 1
+        assert plan.input_ids[0, s + 1] == t == ids[r, c + 1]
+    assert plan.rows.numel() == sum(c for _, c in ROWS)
+
+    shared, failure, no_sharing = plan_packing(ids, mask, labels, PROMPT_COLUMNS, share_prompt=True)
+    assert failure is None and no_sharing is None
+    groups = [[0, 1, 2], [3, 4], [5], [6, 7]]
+    assert shared.shared_rows == 7
+    assert shared.length == sum(ROWS[g[0]][0] + sum(ROWS[r][1] for r in g) for g in groups)
+    # prompt (positions 0..P-1), then each completion at positions P.. ; first completion token from the prompt's end
+    expected_positions = []
+    for g in groups:
+        prompt = ROWS[g[0]][0]
+        expected_positions += list(range(prompt)) + [p for r in g for p in range(prompt, prompt + ROWS[r][1])]
+    assert shared.position_ids[0].tolist() == expected_positions
+    first_tokens = (shared.cols == PROMPT_COLUMNS - 1).nonzero().flatten()
+    for i in first_tokens.tolist():
+        row = shared.rows[i].item()
+        assert shared.positions[shared.source[i]] == ROWS[row][0] - 1 and shared.is_prompt[shared.source[i]]
+
+
+def test_plan_refuses_what_it_cannot_pack():
+    ids, mask, labels = padded_batch(vocab=50)
+    holes = mask.clone()
+    holes[0, PROMPT_COLUMNS + 2] = 0
+    assert plan_packing(ids, holes, labels.masked_fill(holes == 0, -100))[1] == (
+        "a row's attention mask has holes (real tokens are not contiguous)")
+    first_labelled = labels.clone()
+    first_labelled[5, PROMPT_COLUMNS - 1] = ids[5, PROMPT_COLUMNS - 1]  # the one-token prompt of row 5
+    assert "first real token is labelled" in plan_packing(ids, mask, first_labelled)[1]
+    different = ids.clone()
+    different[1:, PROMPT_COLUMNS - 1] = torch.arange(1, len(ROWS)) + 40  # every prompt differs
+    plan, failure, no_sharing = plan_packing(different, mask, labels, PROMPT_COLUMNS, share_prompt=True)
+    assert failure is None and plan.shared_rows == 0 and no_sharing == "no two consecutive rows have the same prompt"
+
+
+def block_flags(counts, indices, blocks):
+    flags = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for row in range(blocks):
+        flags[row, indices[0, 0, row, : counts[0, 0, row]].long()] = True
+    return flags
+
+
+@pytest.mark.parametrize("share, window", [(False, None), (True, None), (True, 5), (False, 70)])
+def test_block_mask_agrees_with_the_dense_mask(share, window):
+    ids, mask, labels = padded_batch(50, LONG_ROWS, LONG_SHARED)
+    plan = plan_packing(ids, mask, labels, 60, share)[0]
+    dense = dense_mask(plan.mask_mod(window), plan.length, "cpu")[0, 0]
+    blocks = block_mask(plan, window)
+    assert blocks.shape[-2:] == (plan.length, plan.length)
+    count = -(-plan.length // 128)
+    padded = torch.zeros(count * 128, count * 128, dtype=torch.bool)
+    padded[: plan.length, : plan.length] = dense
+    tiles = padded.view(count, 128, count, 128)
+    inside = torch.zeros(count * 128, dtype=torch.bool)
+    inside[: plan.length] = True
+    in_range = (inside[:, None] & inside[None, :]).view(count, 128, count, 128)
+    exact_some, exact_every = tiles.any(3).any(1), (tiles | ~in_range).all(3).all(1)
+    full = block_flags(blocks.full_kv_num_blocks, blocks.full_kv_indices, count)
+    partial = block_flags(blocks.kv_num_blocks, blocks.kv_indices, count)
+    # Full blocks skip mask_mod, so every pair in them must be visible; every visible pair must be in some block.
+    assert bool((exact_every | ~full).all()) and not bool((full & partial).any())
+    assert bool(((full | partial) | ~exact_some).all())
+    assert bool((~(full | partial)).any())  # cross-row blocks are skipped
+    assert bool(full.any()) == (window is None or window >= 128)
+    q, k, v = torch.randn(3, 1, 2, plan.length, 16).unbind(0)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    actual = torch.compile(flex_attention, backend="aot_eager", dynamic=False)(q, k, v, block_mask=blocks)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- through the model ----
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_and_shared_prompt_match_padded(arch):
+    model = tiny_model(arch, lora=True, **ARCHS[arch])
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    padded = run(model, head, None, batch)
+    packer, sharing = Packer(), Packer(share_prompt=True)
+    with _no_fallback():
+        assert_same(padded, run(model, head, packer, batch))
+        assert_same(padded, run(model, head, sharing, batch))
+    assert packer.last_plan.shared_rows == 0 and sharing.last_plan.shared_rows == 7
+    assert sharing.last_plan.length < packer.last_plan.length
+    if "sliding_window" in ARCHS[arch]:  # the window cuts into these rows: the case checks the sliding masks
+        model.config.sliding_window = 4096
+        assert (run(model, head, None, batch, grad=False)[0] - padded[0]).abs().max() > 1e-3
+
+
+def test_sliding_window_without_mask_mapping_falls_back(monkeypatch):
+    model = tiny_model("gemma2", lora=True, **ARCHS["gemma2"])
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    padded = run(model, head, None, batch)
+    decoder = model.get_base_model().base_model
+    monkeypatch.setitem(packing._MAPPING_SUPPORT, type(decoder), False)
+    packer = Packer()
+    with pytest.warns(UserWarning, match="mixes sliding-window and full attention layers but takes a single"):
+        assert_same(padded, run(model, head, packer, batch))
+    assert packer.last_plan is None
+    # A window the rows never reach needs no sliding mask: packed again.
+    model.config.sliding_window = ROWS[0][0] + ROWS[0][1]
+    padded = run(model, head, None, batch)
+    with _no_fallback():
+        assert_same(padded, run(model, head, packer, batch))
+
+
+def test_compiled_packed_graph_keeps_every_fusion():
+    # Through the fastgrpo backend: the packed graph (dense mask, with grads; flex_attention BlockMask, forward
+    # only on CPU) matches the same patterns at the same number of sites as the padded one, with no near misses.
+    # Rows over several 128-token blocks, so the BlockMask has skipped, partial and full blocks. Three compiles:
+    # the slowest test here.
+    model = tiny_model("qwen3", lora=True)
+    head = head_on(model, compiled=True)
+    batch = padded_batch(model.config.vocab_size, LONG_ROWS, LONG_SHARED)
+    head.prompt_columns = max(p for p, _ in LONG_ROWS)
+
+    def reports(packer, grad):
+        fastgrpo.clear_fusion_reports()
+        result = run(model, head, packer, batch, max(c for _, c in LONG_ROWS), grad=grad)
+        found = {}
+        for report in fastgrpo.fusion_reports():
+            for name, record in report["patterns"].items():
+                assert not record["near_misses"], (name, record["near_misses"])
+                found[name] = found.get(name, 0) + record["matched"]
+        return result, found
+
+    padded, padded_found = reports(None, grad=False)
+    assert padded_found["rms_norm"] > 0 and padded_found["rope"] > 0 and padded_found["gated_mlp"] > 0
+    with _no_fallback():
+        packed, packed_found = reports(Packer(share_prompt=True), grad=True)
+        flex, flex_found = reports(Packer(share_prompt=True, attention="flex_attention"), grad=False)
+    assert packed_found == padded_found == flex_found
+    assert packed[3]  # gradients flowed through the compiled packed graph (their values: the uncompiled tests)
+    assert flex[0].abs().max() > 0
+    for result in (packed, flex):
+        torch.testing.assert_close(result[0], padded[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result[1], padded[1], rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    """Fail on any fastgrpo warning (a fallback to the padded path would make a comparison vacuous)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastgrpo:")
+        yield
+
+
+# ---- through the trainer ----
+
+
+@pytest.fixture(scope="module")
+def trainer_case():
+    from tests import test_trl_integration as trl_case
+
+    return trl_case
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_trainer_packing_matches_padded(trainer_case, tmp_path, shared_prompt):
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    import fastgrpo.integrations.trl as F
+
+    case = trainer_case
+    tokenizer = case.tiny_tokenizer(case.PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], case.VOCAB)
+    results = []
+    for packing_on in ("auto", True):  # "auto" is off on CPU: the padded baseline
+        args = F.GRPOConfig(**case.common_args(
+            tmp_path, fastgrpo_compile=False, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5, bf16=False,
+            num_iterations=2, beta=0.04, loss_type="dapo", fastgrpo_packing=packing_on,
+            fastgrpo_shared_prompt=shared_prompt,
+        ))
+        trainer = F.GRPOTrainer(
+            model=case.tiny_model(tokenizer), reward_funcs=case.low_id_fraction, args=args,
+            train_dataset=Dataset.from_dict({"prompt": case.PROMPTS}), processing_class=tokenizer,
+            peft_config=LoraConfig(**case.LORA),
+        )
+        case.set_params(trainer.model, seed=1, scale=0.3, only_lora=True)
+        with _no_fallback() if packing_on is True else contextlib.nullcontext():
+            inputs = case.make_inputs(trainer, tokenizer.eos_token_id)
+            case.set_params(trainer.model, seed=2, scale=0.3, only_lora=True)
+            loss, grads = case.loss_and_grads(trainer, inputs, case.lora_params)
+        packer = trainer._fastgrpo_heads[0].packer
+        if packing_on is True:
+            assert packer.last_plan is not None
+            # Mini-batches of 3 rows split the groups of 4; rows of a group inside one mini-batch still share.
+            assert (packer.last_plan.shared_rows > 0) == shared_prompt
+        else:
+            assert packer is None
+        results.append((inputs, loss, grads))
+    (expected, expected_loss, expected_grads), (inputs, loss, grads) = results
+    mask = inputs["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        torch.testing.assert_close(inputs[key][mask], expected[key][mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+    assert len(grads) == 2 * 7 * 2
+    for name, grad in expected_grads.items():
+        assert grad.abs().max() > 0, name
+        error = (grads[name] - grad).abs().max() / grad.abs().max()
+        assert error <= 1e-4, f"{name}: relative error {error:.2e}"
+
+
+# ---- GPU: flex_attention with gradients, inductor, long sequences ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
+def test_gpu_flex_packed_and_shared_match_padded(arch):
+    torch.manual_seed(0)
+    model = tiny_model(arch, lora=True, **ARCHS[arch]).cuda()
+    # As the trainer runs it: non-reentrant checkpointing around each layer, inside the compiled decoder.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    head = head_on(model)
+    head.backbone = CompiledBackbone(True, None)  # the fastgrpo backend's defaults: inductor, Triton ops
+    for rows, shared in ((ROWS, SHARED), (LONG_ROWS, LONG_SHARED)):
+        batch = tuple(t.cuda() for t in padded_batch(model.config.vocab_size, rows, shared))
+        head.prompt_columns = max(p for p, _ in rows)
+        padded = run(model, head, None, batch)
+        completions = max(c for _, c in rows)
+        with _no_fallback():
+            for packer in (Packer(), Packer(share_prompt=True)):
+                assert_same(padded, run(model, head, packer, batch, completions), rtol=1e-4)
+                assert packer.last_plan is not None
+
+
+@pytest.mark.gpu
+def test_gpu_block_mask_for_long_packed_batch_stays_small():
+    # 8 rows of up to 4.3k tokens behind one 256-token prompt: ~20k packed tokens (a dense bool mask: ~0.4 GB).
+    generator = torch.Generator().manual_seed(0)
+    completions = torch.randint(410, 4097, (8,), generator=generator).tolist()
+    columns = 256 + max(completions)
+    ids = torch.randint(3, 1000, (8, columns), generator=generator)
+    ids[:, :256] = ids[0, :256]
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(completions):
+        mask[row, : 256 + length] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :256] = -100
+    ids, mask, labels = ids.cuda(), mask.cuda(), labels.cuda()
+    for share in (False, True):
+        plan = plan_packing(ids, mask, labels, 256, share)[0]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        blocks = block_mask(plan)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < 256 * 2**20
+        assert blocks.shape[-1] == plan.length
+        density = blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()
+        assert density < (plan.length / 128) ** 2 / 4  # block-sparse, not causal-dense
