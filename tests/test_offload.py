@@ -335,6 +335,15 @@ def test_generation_with_cache_runs_compiled_layers_eagerly():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+def test_training_forward_with_a_cache_says_the_layers_run_uncompiled():
+    torch._dynamo.reset()
+    model = make("llama", lora=False)
+    fastgrpo.compile_repeated_blocks(model, options=EAGER)
+    model.train()
+    with pytest.warns(UserWarning, match="pass use_cache=False"):
+        model(input_ids=batch()[0], use_cache=True).logits.sum().backward()
+
+
 def test_backend_option_points_to_compile_repeated_blocks():
     with pytest.raises(ValueError, match=r"compile_repeated_blocks\(model, offload_checkpointing=True\)"):
         Options.parse({"offload_checkpointing": True})

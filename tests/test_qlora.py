@@ -243,3 +243,29 @@ def test_cuda_repeated_blocks_with_offload(tmp_path):
     check_patterns(model, 1, lm_head=False)
     handle = offload_handle(model)
     assert handle.stats.offloaded == 3 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
+
+
+def test_trainer_generates_then_trains_a_qlora_model_on_cpu(tmp_path):
+    """bitsandbytes on a CPU with AVX512-BF16 repacks a 4-bit weight for its inference kernel at the first
+    no-grad eval forward (generation) and then fails every training forward; the trainer keeps the
+    trainable path. (On a CPU without AVX512-BF16 this passes either way.)"""
+    from datasets import Dataset
+
+    import fastgrpo.integrations.trl as F
+    from tests.tiny_models import tiny_tokenizer
+
+    prompts = ["one two three", "four five", "six seven eight nine"]
+    tokenizer = tiny_tokenizer(prompts, 512)  # byte-level BPE: its alphabet alone is 256 ids
+    model = qlora_model(tmp_path, vocab_size=512, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    args = F.GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        max_steps=2, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+        fastgrpo_compile_options={"inner": "eager"},
+    )
+    trainer = F.GRPOTrainer(
+        model=model, reward_funcs=lambda completion_ids, **kw: [len(c) / 4 for c in completion_ids], args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts * 4}), processing_class=tokenizer,
+    )
+    trainer.train()
+    assert len([log for log in trainer.state.log_history if "loss" in log]) == 2

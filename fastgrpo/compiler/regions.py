@@ -10,8 +10,13 @@ A layer called with a KV cache (generation) runs uncompiled: its cache update ta
 layer's index as a graph constant, so every layer would compile its own graph and the
 shared code object would hit Dynamo's recompile limit after 8 layers. Training and
 log-prob passes carry no cache and stay compiled; a decode step compiled as a whole
-(`torch.compile` around the model, CUDA graphs) still traces through the layers.
+(`torch.compile` around the model, CUDA graphs) still traces through the layers. A forward that
+computes gradients with a cache (HF's `use_cache` left on outside gradient checkpointing) would
+lose the compiled layers silently: that warns once, naming the fix.
 """
+import warnings
+
+import torch
 from torch import nn
 
 from fastgrpo.compiler.backend import fastgrpo_backend
@@ -34,6 +39,13 @@ def _eager_with_cache(block: nn.Module, compiled):
 
     def call(*args, **kwargs):
         if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
+            if torch.is_grad_enabled():
+                warnings.warn(
+                    "fastgrpo: decoder layers called with a KV cache run uncompiled (the cache update would "
+                    "compile one graph per layer); this forward computes gradients - pass use_cache=False to "
+                    "keep the compiled layers.",
+                    stacklevel=2,
+                )
             return block._call_impl(*args, **kwargs)
         return compiled(*args, **kwargs)
 

@@ -485,6 +485,17 @@ def keep_one_input_require_grads_hook(model, needed: bool) -> None:
     model.enable_input_require_grads()
 
 
+def keep_bnb_4bit_on_its_autograd_path(model: torch.nn.Module) -> None:
+    """bitsandbytes (0.50) on a CPU with AVX512-BF16 switches a 4-bit linear, at its first no-grad eval forward
+    (generation), to an inference kernel that repacks the weight for good; every later call - generation
+    included - then fails on the repacked shape, and training forwards have no autograd there. GRPO
+    alternates generation and training on the same weights, so keep every 4-bit linear on the path that does
+    both (a no-op on CUDA and on CPUs without AVX512-BF16)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 class GRPOTrainer(TRLGRPOTrainer):
     """TRL's `GRPOTrainer` with fastgrpo's log-prob head, compiled decoder and memory-sized mini-batches.
 
@@ -508,6 +519,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                 "fastgrpo's GRPOTrainer does not compute the MoE router load-balancing loss yet; set "
                 "router_aux_loss_coef=0.0 in the config, or use TRL's GRPOTrainer for this model."
             )
+        keep_bnb_4bit_on_its_autograd_path(self.model)
         self._embedded_generator = None
         self._fastgrpo_heads = []
         for target in (self.model, self.ref_model):

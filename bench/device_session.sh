@@ -1,0 +1,57 @@
+#!/bin/bash
+# The GPU checks and benchmarks of bench/RESULTS.md in one command, in priority order, for a lent H200
+# (torch 2.11, triton 3.6, transformers 5.17, no registry). Each step has a time cap and the whole run
+# stops before DEADLINE_S, so whatever ran is written under $OUT even when the time box is short.
+#
+# Needs, carried from the repository root:
+#   .whlU/site.tgz   bash ../shared/device/unsloth-site.sh   (Unsloth 2026.10.9, Liger, trl 1.15, bitsandbytes)
+#   .whl/*.whl       trl 1.16, datasets, dill, multiprocess   (fastgrpo's trainer targets trl 1.16)
+# Usage: DEADLINE_S=560 bash bench/device_session.sh [steps...]   (default: every step, in this order)
+#
+# Lessons from 2026-11-29: one process per peer (Liger patches transformers' modules for the whole
+# process, and its compiled loss cannot recompile for a second length); GPU tests under xdist with
+# -v and a per-test timeout (otherwise a killed run reports nothing); flex_attention and inductor
+# compiles of the 28-layer model take minutes: give packed rows their own step.
+set -u
+START=$(date +%s); DEADLINE=$((START + ${DEADLINE_S:-560}))
+OUT=${OUT:-/tmp/fastgrpo-device}; mkdir -p "$OUT"
+cap() { local left=$((DEADLINE - $(date +%s))); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p /tmp/site /tmp/site_t
+[ -f .whlU/site.tgz ] && tar xzf .whlU/site.tgz -C /tmp/site
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_t .whl/*.whl
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+OURS="PYTHONPATH=/tmp/site_t:/tmp/site:$PWD"
+PEERS="PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache HF_HOME=/tmp/hf_home"
+STEP_ARGS="--warmup 1 --repeat 2"
+
+step() {  # name, cap seconds, environment, command...
+  local name=$1 seconds; seconds=$(cap "$2"); shift 2
+  [ "$seconds" -le 5 ] && { echo "== $name: skipped (time box)"; return; }
+  echo "== $name (cap ${seconds}s)"
+  env $1 timeout "$seconds" "${@:2}" > "$OUT/$name.txt" 2>&1
+  grep -E "RESULT|passed|failed|matched|Error|OOM" "$OUT/$name.txt" | grep -v Warning | tail -20
+}
+
+run_step() {
+  case $1 in
+    tests) step tests 140 "$OURS" python3 -m pytest -m gpu -v -p no:cacheprovider -n 8 --timeout 90 -rfE --tb=short tests/ ;;
+    fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096,16384 $STEP_ARGS ;;
+    unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 16384 $STEP_ARGS ;;
+    inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
+    liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
+    eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
+    packed) step packed 150 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_packed,fastgrpo_shared --spread --completions 4096 $STEP_ARGS ;;
+    unsloth_spread) step unsloth_spread 120 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread $STEP_ARGS ;;
+    offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
+    qlora) step qlora 180 "$OURS" python3 bench/grpo_qlora_step.py ;;
+    generation) step generation 120 "$OURS" python3 bench/bench_generation.py ;;
+    long_run) step long_run 150 "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
+    mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions 1024,4096,16384 $STEP_ARGS ;;
+    *) echo "unknown step $1" ;;
+  esac
+}
+
+STEPS=${*:-tests fastgrpo unsloth inductor liger eager packed unsloth_spread offload qlora generation long_run mlp_op}
+for s in $STEPS; do run_step "$s"; done
+[ -f "$OUT/grpo_step.jsonl" ] && python3 bench/grpo_step.py --merge "$OUT"/grpo_step.jsonl $(ls "$OUT"/unsloth_step.jsonl 2>/dev/null)
