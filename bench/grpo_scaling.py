@@ -46,7 +46,8 @@ def ddp_step(ddp_decoder, head: torch.Tensor, completion: int):
 
 
 def time_step(step, model, completion: int, vocab: int, device, warmup: int, repeat: int, rank: int) -> dict:
-    """Median step time on this rank (after warm-up) and its peak memory."""
+    """Median step time on this rank (after warm-up) and its peak memory; bf16 autocast like grpo_step.py."""
+    step = grpo_step.with_mixed_precision(step, device)
     generator = torch.Generator().manual_seed(rank)  # each rank its own batch
     ids = torch.randint(0, vocab, (grpo_step.GROUP, grpo_step.PROMPT + completion), generator=generator).to(device)
     mask = torch.ones(grpo_step.GROUP, completion, device=device)
