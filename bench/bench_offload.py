@@ -22,14 +22,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import grpo_step  # noqa: E402
-from grpo_step import GROUP, PROMPT, build_policy, make_step, with_mixed_precision  # noqa: E402
+from grpo_step import GROUP, PROMPT, build_policy, make_step, timed_steps, with_mixed_precision  # noqa: E402
 
 import fastgrpo  # noqa: E402
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing  # noqa: E402
@@ -63,21 +62,11 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
     try:
         batch = make_batch(model, completion)
         step = with_mixed_precision(make_step("fastgrpo", model, completion), batch[0].device)
-        for _ in range(warmup):
-            step(*batch)
-            model.zero_grad(set_to_none=True)
+        timed_steps(step, batch, model, warmup)
         if cuda:
-            torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            step(*batch)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) * 1e3)
-            model.zero_grad(set_to_none=True)
+        times = timed_steps(step, batch, model, repeat)
         median = statistics.median(times)
         result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
                       tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3))

@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -52,21 +51,11 @@ def time_step(step, model, completion: int, vocab: int, device, warmup: int, rep
     ids = torch.randint(0, vocab, (grpo_step.GROUP, grpo_step.PROMPT + completion), generator=generator).to(device)
     mask = torch.ones(grpo_step.GROUP, completion, device=device)
     adv = torch.randn(grpo_step.GROUP, generator=generator).to(device)
-    for _ in range(warmup):
-        step(ids, mask, adv)
-        model.zero_grad(set_to_none=True)
+    grpo_step.timed_steps(step, (ids, mask, adv), model, warmup)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeat):
-        dist.barrier()  # every rank starts the step together, so a rank's time includes waiting in the all-reduce
-        start = time.perf_counter()
-        step(ids, mask, adv)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-        model.zero_grad(set_to_none=True)
+    # Every rank starts each step together, so a rank's time includes waiting in the all-reduce.
+    times = grpo_step.timed_steps(step, (ids, mask, adv), model, repeat, before_each=dist.barrier)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {"ms": statistics.median(times), "peak_gib": peak}
 

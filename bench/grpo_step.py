@@ -178,6 +178,23 @@ def with_mixed_precision(step, device: torch.device):
     return mixed_precision_step
 
 
+def timed_steps(step, args, model, count: int, before_each=None) -> list[float]:
+    """`step(*args)` `count` times, the gradients cleared after each; returns each step's wall time in ms
+    (CUDA-synchronised). `before_each` runs untimed before each step (e.g. a barrier across ranks)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    times = []
+    for _ in range(count):
+        if before_each is not None:
+            before_each()
+        start = time.perf_counter()
+        step(*args)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+        model.zero_grad(set_to_none=True)
+    return times
+
+
 def profile_step(step, args, label: str, rows: int = 30) -> None:
     """Print the kernels that take the step's time (one step under torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -226,20 +243,10 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             ids, mask, adv, tokens, lengths = make_batch(vocab, prompt, completion, spread, device)
             result.update(tokens=tokens, lengths=lengths)
             step = with_mixed_precision(make_step(system, model, mask.shape[1], prompt), device)
-            for _ in range(warmup):
-                step(ids, mask, adv)
-                model.zero_grad(set_to_none=True)
+            timed_steps(step, (ids, mask, adv), model, warmup)
             if device.type == "cuda":
-                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                step(ids, mask, adv)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
-                model.zero_grad(set_to_none=True)
+            times = timed_steps(step, (ids, mask, adv), model, repeat)
             if completion == profile_at:
                 profile_step(step, (ids, mask, adv), f"{system} completion={completion}")
                 model.zero_grad(set_to_none=True)

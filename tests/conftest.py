@@ -31,3 +31,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: extra threads only contend. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

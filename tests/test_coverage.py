@@ -12,7 +12,9 @@ from torch._dynamo.utils import counters
 import fastgrpo
 from bench.coverage import measure
 from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
-from tests.tiny_models import VOCAB, assert_grads_close, count_modules, grads, tiny_model
+from tests.tiny_models import (
+    VOCAB, assert_compiled_matches_eager, assert_grads_close, count_modules, eager_then_compiled_model, grads, tiny_model,
+)
 
 PATTERNS = ("rms_norm", "rope", "gated_mlp", "selective_logprob")
 
@@ -100,22 +102,6 @@ def test_varying_prompt_and_completion_lengths_compile_at_most_twice():
     assert_grads_close(grads(model), actual_grads, rel=1e-4)
 
 
-def _compile_and_compare(fn, *inputs):
-    """fn compiled vs eager: outputs and the gradients of the inputs that require grad."""
-    expected = fn(*inputs)
-    expected.sum().backward()
-    expected_grads = [t.grad.clone() for t in inputs if t.requires_grad]
-    for t in inputs:
-        t.grad = None
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="fastgrpo", options={"inner": "eager"})(*inputs)
-    actual.sum().backward()
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    for got, want in zip([t.grad for t in inputs if t.requires_grad], expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
 def test_float64_model_runs_eagerly_and_every_site_says_why():
     model = tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(3, VOCAB, (2, 9))
@@ -124,14 +110,8 @@ def test_float64_model_runs_eagerly_and_every_site_says_why():
         logits = model(input_ids=input_ids, use_cache=False).logits
         return logits.log_softmax(-1).gather(-1, input_ids.unsqueeze(-1)).squeeze(-1)
 
-    expected = logps(ids)
-    expected.sum().backward()
-    expected_grads = grads(model)
-    model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(logps, backend="fastgrpo", options={"inner": "eager"})(ids)
-    actual.sum().backward()
+    expected, expected_grads, actual, actual_grads = eager_then_compiled_model(
+        model, logps, {"input_ids": ids}, loss=lambda out: out.sum())
     layers = model.config.num_hidden_layers
     for name, sites in (("rms_norm", count_modules(model, "RMSNorm")), ("rope", layers), ("gated_mlp", layers),
                         ("selective_logprob", 1)):
@@ -141,7 +121,7 @@ def test_float64_model_runs_eagerly_and_every_site_says_why():
         assert len({m["site"] for m in rec["near_misses"]}) == sites, rec
         assert all("float64" in m["reason"] for m in rec["near_misses"]), rec
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-    assert_grads_close(expected_grads, grads(model), rel=1e-10)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-10)
 
 
 def test_norm_wider_than_the_kernel_is_a_near_miss_at_compile_time():
@@ -152,7 +132,7 @@ def test_norm_wider_than_the_kernel_is_a_near_miss_at_compile_time():
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-    _compile_and_compare(norm, torch.randn(2, hidden, requires_grad=True))
+    assert_compiled_matches_eager(norm, torch.randn(2, hidden, requires_grad=True))
     (rec,) = _records("rms_norm")
     assert rec["matched"] == 0
     assert f"hidden size {hidden} exceeds {MAX_HIDDEN_SIZE}" in rec["near_misses"][0]["reason"]
@@ -187,7 +167,7 @@ def _block_inputs(batch):
 def test_non_contiguous_inputs_are_matched_and_exact():
     inputs = _block_inputs(batch=3)
     assert not inputs[0].is_contiguous()
-    _compile_and_compare(_block, *inputs)
+    assert_compiled_matches_eager(_block, *inputs)
     for name in ("rms_norm", "rope", "gated_mlp"):
         (rec,) = _records(name)
         assert rec["matched"] == 1 and not rec["near_misses"], (name, rec)
@@ -195,7 +175,7 @@ def test_non_contiguous_inputs_are_matched_and_exact():
 
 def test_zero_size_inputs_fall_back_and_are_reported():
     inputs = _block_inputs(batch=0)
-    _compile_and_compare(_block, *inputs)
+    assert_compiled_matches_eager(_block, *inputs)
     for name in ("rms_norm", "rope", "gated_mlp"):
         (rec,) = _records(name)
         assert rec["matched"] == 0, (name, rec)

@@ -27,13 +27,7 @@ LAYERS = 4  # 3 offloaded + 1 kept: the prefetch chain has more than one link
 EAGER = {"inner": "eager"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(arch, lora, device="cpu", **overrides):

@@ -4,24 +4,22 @@ import torch
 import torch.nn.functional as F
 
 import fastgrpo
-from tests.tiny_models import ARCHS, VOCAB, assert_grads_close, eager_then_compiled, grads, tiny_model
+from tests.tiny_models import (
+    ARCHS, VOCAB, assert_grads_close, eager_then_compiled, eager_then_compiled_model, grads, tiny_model,
+)
 
 
 def _records(name):
     return [r["patterns"][name] for r in fastgrpo.fusion_reports()]
 
 
-def _compile_and_compare(model, ids, inner="eager", options=None):
-    expected = model(input_ids=ids).logits
-    expected.float().square().mean().backward()
-    expected_grads = grads(model)
-    model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fastgrpo", options={"inner": inner, **(options or {})})
-    actual = compiled(input_ids=ids).logits
-    actual.float().square().mean().backward()
-    return expected.detach(), actual.detach(), expected_grads, grads(model)
+def _compile_and_compare(model, ids, options=None, dynamic=None):
+    """The model's logits eager and through the backend, each followed by `logits.float().square().mean()`'s
+    backward: (expected, actual, expected grads, actual grads)."""
+    expected, expected_grads, actual, actual_grads = eager_then_compiled_model(
+        model, lambda input_ids: model(input_ids=input_ids).logits, {"input_ids": ids},
+        loss=lambda out: out.float().square().mean(), options=options, dynamic=dynamic)
+    return expected, actual, expected_grads, actual_grads
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
@@ -56,20 +54,13 @@ def test_lora_scales_traced_as_inputs_or_different_are_folded_into_b(arch):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
     ids = torch.randint(3, VOCAB, (2, 10))
-    expected = model(input_ids=ids).logits
-    expected.square().mean().backward()
-    expected_grads = grads(model)
-    model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager"}, dynamic=True)(input_ids=ids).logits
-    actual.square().mean().backward()
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(model, ids, {"inner": "aot_eager"}, dynamic=True)
     mlp = _records("gated_mlp")
     # Dynamo may trace the model twice under dynamic=True (a restart, not a break): each graph holds every layer.
     assert [r["matched"] for r in mlp] == [model.config.num_hidden_layers] * len(mlp)
     assert all(s["form"].startswith("gated_mlp (") and "LoRA" in s["form"] for r in mlp for s in r["sites"])
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert_grads_close(expected_grads, grads(model), rel=1e-4)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
 
 
 def _relative_error(grads_by_name: dict, reference: dict) -> float:

@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 import fastgrpo
-from tests.tiny_models import VOCAB, assert_grads_close, grads, tiny_model
+from tests.tiny_models import (
+    VOCAB, assert_compiled_matches_eager, assert_grads_close, eager_then_compiled_model, tiny_model,
+)
 
 H, V = 32, 77
 
@@ -15,19 +17,8 @@ def _records():
 
 def _compare(fn, *inputs, expect_matched=1):
     """fn compiled vs eager: outputs and the grads of every input that requires grad."""
-    expected = fn(*inputs)
-    expected.float().sum().backward()
-    expected_grads = [t.grad.clone() for t in inputs if t.requires_grad]
-    for t in inputs:
-        t.grad = None
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="fastgrpo", options={"inner": "eager"})(*inputs)
-    actual.float().sum().backward()
+    assert_compiled_matches_eager(fn, *inputs)
     assert sum(r["matched"] for r in _records()) == expect_matched, fastgrpo.format_reports(fastgrpo.fusion_reports())
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    for got, want in zip([t.grad for t in inputs if t.requires_grad], expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _inputs(weight_grad=True):
@@ -99,14 +90,8 @@ def test_model_head_in_a_grpo_logprob_function(arch):
         logits = model(input_ids=input_ids, use_cache=False).logits.float()
         return logits.log_softmax(-1).gather(-1, input_ids.roll(-1, 1).unsqueeze(-1)).squeeze(-1)
 
-    expected = completion_logps(ids)
-    expected.sum().backward()
-    expected_grads = grads(model)
-    model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(completion_logps, backend="fastgrpo", options={"inner": "eager"})(ids)
-    actual.sum().backward()
+    expected, expected_grads, actual, actual_grads = eager_then_compiled_model(
+        model, completion_logps, {"input_ids": ids}, loss=lambda out: out.sum())
     assert sum(r["matched"] for r in _records()) == 1
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert_grads_close(expected_grads, grads(model), rel=1e-4)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)

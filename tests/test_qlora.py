@@ -35,12 +35,7 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 LAYERS = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qlora_model(tmp_path, arch="qwen2", dtype=torch.float32, targets=PROJECTIONS, device="cpu", **overrides):

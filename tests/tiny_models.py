@@ -39,6 +39,44 @@ def eager_then_compiled(module, x, options=None):
     return expected, expected_grad, actual, x.grad
 
 
+def eager_then_compiled_model(model, fn, inputs: dict, loss=lambda out: out.float().sum(), options=None,
+                              dynamic=None):
+    """`fn(**inputs)` eager, then through the fastgrpo backend (inner eager unless `options` say otherwise) with
+    fresh reports; each followed by `loss(output).backward()`. Returns (expected, expected model grads, actual,
+    actual model grads), the model's grads cleared in between."""
+    import fastgrpo
+
+    expected = fn(**inputs)
+    loss(expected).backward()
+    expected_grads = grads(model)
+    model.zero_grad()
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fastgrpo", options={"inner": "eager", **(options or {})}, dynamic=dynamic)
+    actual = compiled(**inputs)
+    loss(actual).backward()
+    return expected.detach(), expected_grads, actual.detach(), grads(model)
+
+
+def assert_compiled_matches_eager(fn, *inputs):
+    """fn through the fastgrpo backend (inner eager, fresh reports) vs eager: outputs, and the gradients of the
+    inputs that require grad (each run followed by `.float().sum().backward()`)."""
+    import fastgrpo
+
+    expected = fn(*inputs)
+    expected.float().sum().backward()
+    expected_grads = [t.grad.clone() for t in inputs if t.requires_grad]
+    for t in inputs:
+        t.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="fastgrpo", options={"inner": "eager"})(*inputs)
+    actual.float().sum().backward()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip([t.grad for t in inputs if t.requires_grad], expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def tiny_tokenizer(texts: list[str], vocab: int, bpe_vocab: int = 300):
     """A byte-level BPE tokenizer trained on `texts`, padded with added tokens to exactly `vocab`
     entries so any id a model samples decodes (vLLM needs that); pad `<pad>`, eos `<eos>`."""
@@ -57,4 +95,5 @@ def tiny_tokenizer(texts: list[str], vocab: int, bpe_vocab: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
 
 
-__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled", "tiny_tokenizer"]
+__all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled",
+           "eager_then_compiled_model", "assert_compiled_matches_eager", "tiny_tokenizer"]
