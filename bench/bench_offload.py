@@ -88,10 +88,13 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
     return result
 
 
-def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny: bool, inner: str) -> list[dict]:
-    # Built without compiling, then compiled here so the inner compiler can be chosen (eager for --tiny on CPU).
+def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny: bool, inner: str,
+        system: str = "fastgrpo") -> list[dict]:
+    # Built without compiling, then compiled here with `system`'s backend options, so the inner compiler can be
+    # chosen (eager for --tiny on CPU).
     model = build_policy("eager", PROMPT + max(completions) + 8, tiny)
-    fastgrpo.compile_repeated_blocks(model.get_base_model(), options={"inner": inner}, dynamic=grpo_step.DYNAMIC)
+    options = dict(grpo_step.FASTGRPO_OPTIONS[system] or {}, inner=inner)
+    fastgrpo.compile_repeated_blocks(model.get_base_model(), options=options, dynamic=grpo_step.DYNAMIC)
     reference = {}  # completion -> gradients under plain checkpointing
     results = []
     for mode in modes:
@@ -180,14 +183,16 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--inner", default="inductor", help="the fastgrpo backend's inner compiler")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
+    parser.add_argument("--system", default="fastgrpo", choices=["fastgrpo", "fastgrpo_mlp_op"],
+                        help="backend options as in grpo_step.py: the gated MLP keeping gate/up, or the MLP op")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if "offload" in modes and "checkpoint" in modes:
         modes = ["checkpoint"] + [m for m in modes if m != "checkpoint"]  # the gradient reference first
     results = run(modes, [int(c) for c in args.completions.split(",")], args.warmup, args.repeat, args.tiny,
-                  args.inner)
+                  args.inner, args.system)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_offload.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"bench_offload_{args.system}.json"), "w") as f:
             json.dump(results, f, indent=1)
     print(table(results))
     return 0

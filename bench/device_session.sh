@@ -7,6 +7,7 @@
 #   .whlU/site.tgz   bash ../shared/device/unsloth-site.sh   (Unsloth 2026.10.9, Liger, trl 1.15, bitsandbytes)
 #   .whl/*.whl       trl 1.16, datasets, dill, multiprocess   (fastgrpo's trainer targets trl 1.16)
 # Usage: DEADLINE_S=560 bash bench/device_session.sh [steps...]   (default: every step, in this order)
+#        a step written a+b+c runs a, b and c side by side (for correctness and memory steps, never timings)
 #
 # Lessons from 2026-11-29: one process per peer (Liger patches transformers' modules for the whole
 # process, and its compiled loss cannot recompile for a second length); GPU tests under xdist with
@@ -35,23 +36,36 @@ step() {  # name, cap seconds, environment, command...
 
 run_step() {
   case $1 in
-    tests) step tests 140 "$OURS" python3 -m pytest -m gpu -v -p no:cacheprovider -n 8 --timeout 90 -rfE --tb=short tests/ ;;
+    tests) step tests 200 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
     fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096,16384 $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 16384 $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
-    packed) step packed 150 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_packed,fastgrpo_shared --spread --completions 4096 $STEP_ARGS ;;
+    # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
+    tests_failed) step tests_failed 240 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short $FAILED_TESTS ;;
+    tests_on_cuda) step tests_on_cuda 200 "$OURS FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
+    packed) step packed 220 "$OURS" python3 bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --completions 4096 $STEP_ARGS ;;
     unsloth_spread) step unsloth_spread 120 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread $STEP_ARGS ;;
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
-    qlora) step qlora 180 "$OURS" python3 bench/grpo_qlora_step.py ;;
+    offload_mlp_op) step offload_mlp_op 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_mlp_op --completions 4096,16384 $STEP_ARGS ;;
+    qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
     generation) step generation 120 "$OURS" python3 bench/bench_generation.py ;;
-    long_run) step long_run 150 "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
+    long_run) step long_run 200 "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions 1024,4096,16384 $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac
 }
 
 STEPS=${*:-tests fastgrpo unsloth inductor liger eager packed unsloth_spread offload qlora generation long_run mlp_op}
-for s in $STEPS; do run_step "$s"; done
+for s in $STEPS; do
+  if [[ $s == *+* ]]; then
+    # a+b+c: run side by side and wait for all. Only for steps whose numbers are per process (correctness,
+    # peak memory): timed steps must run alone.
+    for part in ${s//+/ }; do run_step "$part" & done
+    wait
+  else
+    run_step "$s"
+  fi
+done
 [ -f "$OUT/grpo_step.jsonl" ] && python3 bench/grpo_step.py --merge "$OUT"/grpo_step.jsonl $(ls "$OUT"/unsloth_step.jsonl 2>/dev/null)

@@ -9,7 +9,8 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   liger     Liger rope/rms_norm/swiglu + LigerFusedLinearGRPOLoss on hidden states
   fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
             (backend option absorb_mlp_projections=False: the gated MLP keeps gate and up, as the TRL
-            integration does under gradient checkpointing)
+            integration does under gradient checkpointing; on CUDA the checkpointed layer inputs are
+            offloaded to host memory, the integration's default there)
   fastgrpo_mlp_op  the same with the gated-MLP op recomputing the projections (its recompute is
             paid twice under checkpointing: less memory, more time)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
@@ -105,7 +106,9 @@ def build_policy(system: str, max_len: int, tiny: bool):
     elif system in FASTGRPO_OPTIONS:
         import fastgrpo
 
-        fastgrpo.compile_repeated_blocks(base, options=FASTGRPO_OPTIONS[system], dynamic=DYNAMIC)
+        # As the TRL integration does by default: on CUDA the checkpointed layer inputs go to host memory.
+        fastgrpo.compile_repeated_blocks(base, options=FASTGRPO_OPTIONS[system], dynamic=DYNAMIC,
+                                         offload_checkpointing=device == "cuda")
     return model
 
 
@@ -127,7 +130,7 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
     head = base.get_output_embeddings().weight
 
     if system in PACKED:
-        from fastgrpo.integrations.packing import Packer, attention_implementation
+        from fastgrpo.integrations.packing import Packer
         from fastgrpo.kernels.selective_logprob import selective_logprob
 
         packer = Packer(share_prompt=PACKED[system])
@@ -140,8 +143,7 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
             call = packer.prepare(base, {"input_ids": ids, "attention_mask": attention_mask}, labels, prompt)
             if call is None:
                 raise RuntimeError(f"{system}: the batch was not packed ({sorted(packer.said)})")
-            with attention_implementation(base.config, call.implementation):
-                hidden = base.get_decoder()(**call.kwargs).last_hidden_state[0, call.plan.source]
+            hidden = base.get_decoder()(**call.kwargs).last_hidden_state[0, call.plan.source]
             logps = call.plan.scatter(selective_logprob(hidden, head, call.plan.targets))[:, prompt - 1:]
             grpo_loss(logps, mask, adv).backward()
     elif system in ("eager", "inductor"):

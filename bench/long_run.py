@@ -42,8 +42,8 @@ def main() -> int:
         completion = lengths.randint(args.min_completion, args.max_completion)
         ids = torch.randint(0, model.config.vocab_size, (GROUP, PROMPT + completion), device=device)
         mask = torch.ones(GROUP, completion, device=device)
-        step = with_mixed_precision(make_step("fastgrpo", model, completion), device)
-        step(ids, mask, torch.randn(GROUP, device=device))
+        grpo_step = with_mixed_precision(make_step("fastgrpo", model, completion), device)
+        grpo_step(ids, mask, torch.randn(GROUP, device=device))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:

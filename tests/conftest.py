@@ -41,3 +41,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_runtest_logreport(report):
+    """FASTGRPO_FAILURE_LOG=path appends each failure to `path` as it happens: a device run cut short by its
+    time box still leaves the reasons (pytest's summary comes only at the end)."""
+    path = os.environ.get("FASTGRPO_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist: the controller writes
+        with open(path, "a") as log:
+            log.write(f"== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")

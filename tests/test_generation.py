@@ -177,13 +177,16 @@ def test_a_callers_autocast_is_turned_off():
 
 
 def test_compiled_decode_step_traces_as_one_graph():
-    """The decode step (HF forward with LoRA + StaticCache + sampling) compiles with fullgraph=True.
+    """The decode step (HF forward with LoRA + StaticCache + sampling) compiles with fullgraph=True, also with the
+    embedding hook that training under gradient checkpointing installs.
 
     The eager backend keeps the test fast: it checks Dynamo's tracing (no graph break) and the
     results, not inductor's code generation.
     """
     torch._dynamo.reset()
     model = with_lora(tiny_lm("qwen2"))
+    # What TRL/PEFT add for gradient checkpointing: a hook calling requires_grad_ (untraceable) on the embeddings.
+    model.enable_input_require_grads()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10, compile=True, compile_backend="eager")
     batch = prompts()
     assert generator.generate(batch, temperature=0) == hf_greedy(model, batch, 10, eos=VOCAB + 1)

@@ -353,15 +353,17 @@ def h_and_grads(c, path, chunk, device="cpu"):
 # LoRA gradients added in fp32, so only fp32 summation order (and, for bf16 outputs, the one final
 # rounding it can flip) differs. Rounding a chunk's partial sum to bf16 is off by ~1e-1 here.
 CHUNK_TOL = {torch.float32: 2e-6, torch.bfloat16: 2**-8}
-# cuBLAS picks other kernels (split-K orders) for other row counts, so an fp32 product or a
-# bf16 rounding of one can differ a little more than on CPU.
-CUDA_CHUNK_SLACK = 4
+# On CUDA, cuBLAS picks other kernels (split-K orders) for other row counts, and the kernels' in-tile LoRA
+# products run in 3-pass TF32 (about fp32, not IEEE fp32): fp32 gradients summed over 3000 rows in another
+# order differed by up to 2.1e-4 of their largest entry on the H200. The bound of a reordered fp32 sum is
+# n * 2^-24 times the sum of the terms' magnitudes, which for these cancelling sums is far above the result.
+CUDA_CHUNK_TOL = {torch.float32: 1e-3, torch.bfloat16: 4 * 2**-8}
 
 
-def assert_chunked_matches(one, chunked, dtype, slack=1):
+def assert_chunked_matches(one, chunked, dtype, tols=CHUNK_TOL):
     for i, (a, b) in enumerate(zip(one, chunked)):
         assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
-        tol = slack * CHUNK_TOL[torch.float32 if a.dtype == torch.float32 else dtype]
+        tol = tols[torch.float32 if a.dtype == torch.float32 else dtype]
         err = (a.double() - b.double()).abs().max().item()
         assert err <= tol * a.double().abs().max().item(), f"output {i}: chunked differs by {err:.3e}"
 
@@ -564,7 +566,7 @@ def test_chunks_match_one_chunk_cuda(layout, dtype):
     c = dict(chunk_case(layout, dtype, rows=3000), hidden=256, inter=1300, rank=16, x_transposed=False)
     one = h_and_grads(c, "cuda", None, device="cuda")
     chunked = h_and_grads(c, "cuda", 448, device="cuda")  # 7 chunks, the last of 312 rows
-    assert_chunked_matches(one, chunked, dtype, CUDA_CHUNK_SLACK)
+    assert_chunked_matches(one, chunked, dtype, CUDA_CHUNK_TOL)
 
 
 @pytest.mark.gpu
@@ -611,7 +613,7 @@ def test_gated_mlp_cuda_peak_memory_bounded():
     budget = 1.5 * gated_mlp_module._CHUNK_BYTES
     assert fwd <= budget and bwd <= budget, (fwd / mib, bwd / mib)
     assert fwd_one >= 2 * full_bytes and bwd_one >= 2 * full_bytes  # the measurement sees full-size temporaries
-    assert_chunked_matches(one, chunked, torch.bfloat16, CUDA_CHUNK_SLACK)
+    assert_chunked_matches(one, chunked, torch.bfloat16, CUDA_CHUNK_TOL)
 
 
 @pytest.mark.gpu

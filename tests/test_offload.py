@@ -64,6 +64,14 @@ def assert_same(ref, got, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=rtol, atol=atol, msg=name)
 
 
+def max_differences(ref, got) -> dict:
+    """Largest absolute difference of the loss ("loss") and of each gradient between two steps."""
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    assert grads.keys() == ref_grads.keys() and grads
+    return {"loss": (loss - ref_loss).abs().item()} | {
+        name: (grads[name] - ref_grads[name]).abs().max().item() for name in ref_grads}
+
+
 @pytest.mark.parametrize("arch,lora", [("llama", False), ("llama", True), ("qwen3", True)])
 def test_equals_plain_and_hf_checkpointing(arch, lora):
     model = make(arch, lora)
@@ -453,9 +461,14 @@ def test_cuda_equal_and_off_device(dtype, compiled):
     if compiled:
         fastgrpo.compile_repeated_blocks(model.get_base_model())
     ids, mask = batch("cuda", rows=4, length=1024)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = step(model, ids, mask)
+    # The padded rows send SDPA to its memory-efficient kernel, whose backward accumulates with atomics: plain
+    # checkpointing against itself already differs, by a different amount each run (H200: up to 1e-4 of a
+    # gradient's largest entry in fp32 against 2e-5 in the one sample taken as `noise`). A copy race would put
+    # stale or foreign activations into a layer: errors of the order of the gradients themselves.
+    noise = max_differences(reference, step(model, ids, mask))
+    rtol = 1e-3 if dtype == torch.float32 else 3e-2
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     plain_loss = loss_of(model, ids, mask)
@@ -463,7 +476,10 @@ def test_cuda_equal_and_off_device(dtype, compiled):
     del plain_loss
     handle = enable_offloaded_checkpointing(model)
     for _ in range(3):
-        assert_same(reference, step(model, ids, mask), **tol)
+        differences = max_differences(reference, step(model, ids, mask))
+        for name, difference in differences.items():
+            scale = reference[1].get(name, reference[0]).abs().max().item()
+            assert difference <= 4 * noise[name] + rtol * scale, (name, difference, noise[name], scale)
     before = torch.cuda.memory_allocated()
     loss = loss_of(model, ids, mask)
     # A device input freed after its copy (record_stream) stays counted until the allocator processes the
@@ -472,8 +488,34 @@ def test_cuda_equal_and_off_device(dtype, compiled):
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated() - before
     layer_input = 4 * 1024 * 256 * dtype.itemsize
-    assert plain_held - held >= 0.9 * 7 * layer_input
+    # 7 of the 8 layer inputs are offloaded, but PEFT's gradient_checkpointing_enable hooks the embeddings to
+    # return a leaf that requires grad (enable_input_require_grads): layer 0's input is then also held by its
+    # AccumulateGrad node and stays on the device after its copy (H200: exactly 6 inputs freed).
+    held_anyway = int(model.get_input_embeddings()(ids).requires_grad)
+    assert plain_held - held >= 0.9 * (7 - held_anyway) * layer_input
     loss.backward()
     model.zero_grad(set_to_none=True)
     assert all(b.is_pinned() for bufs in handle.host_buffers().values() for b in bufs)
     assert handle.stats.host_allocations == 7 and handle.stats.loaded_on_demand == 0
+
+
+def test_trainer_flag_auto_means_cuda_with_checkpointing(tmp_path):
+    # The default: offload whenever the policy trains on CUDA with checkpointing (measured: < 1 % slower than
+    # plain checkpointing); never on CPU, where there is no device memory to save.
+    from types import SimpleNamespace
+
+    import fastgrpo.integrations.trl as F
+
+    def on(device: str, **config) -> bool:
+        args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
+        return F.GRPOTrainer._offload_on(SimpleNamespace(args=args, accelerator=SimpleNamespace(
+            device=torch.device(device))))
+
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_offload_checkpointing == "auto"
+    assert on("cuda", gradient_checkpointing=True)
+    assert not on("cuda", gradient_checkpointing=False)
+    assert not on("cpu", gradient_checkpointing=True)
+    assert not on("cuda", gradient_checkpointing=True, fastgrpo_offload_checkpointing="false")
+    assert on("cpu", gradient_checkpointing=True, fastgrpo_offload_checkpointing="true")
+    with pytest.raises(ValueError, match="use True, False or 'auto'"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_offload_checkpointing="sometimes")

@@ -14,6 +14,7 @@ import fastgrpo
 from fastgrpo.integrations import packing
 from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, plan_packing
 from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
+from torch.nn.attention.flex_attention import BlockMask
 from tests.tiny_models import tiny_model
 
 PROMPT_COLUMNS, COMPLETION_COLUMNS = 7, 9
@@ -69,7 +70,7 @@ def run(model, head, packer, batch, completions=COMPLETION_COLUMNS, grad=True):
     grads = {}
     if grad:
         # Different weights per position and an entropy term, so a misplaced value changes the gradients.
-        weights = torch.linspace(-1, 2, log_probs.numel()).view_as(log_probs)
+        weights = torch.linspace(-1, 2, log_probs.numel(), device=log_probs.device).view_as(log_probs)
         ((log_probs * weights).sum() + 0.1 * entropy.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return log_probs.detach(), entropy.detach(), out.label_mask[:, -completions:], grads
@@ -245,6 +246,32 @@ def test_compiled_packed_graph_keeps_every_fusion():
     for result in (packed, flex):
         torch.testing.assert_close(result[0], padded[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(result[1], padded[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("own", ["sdpa", "eager"])
+def test_attention_follows_the_mask_not_a_setting_around_the_call(own):
+    # Non-reentrant checkpointing re-runs each layer's forward during backward, after whatever context wrapped the
+    # forward has exited: a packed BlockMask must reach flex_attention in that re-run too (a context that switched
+    # the model to flex_attention only around the forward sent it to SDPA there), and padded calls must keep the
+    # model's own attention. Calling the decoder again with the packed arguments is what the re-run does.
+    model = tiny_model("llama", lora=True, attn_implementation=own)
+    base = model.get_base_model()
+    ids, mask, labels = padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        padded = base.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        call = Packer(attention="flex_attention").prepare(base, {"input_ids": ids, "attention_mask": mask}, labels,
+                                                          PROMPT_COLUMNS)
+        assert isinstance(call.kwargs["attention_mask"], BlockMask)
+        first = base.model(**call.kwargs).last_hidden_state
+        rerun = base.model(**call.kwargs).last_hidden_state
+        padded_after = base.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        dense = Packer(attention="dense").prepare(base, {"input_ids": ids, "attention_mask": mask}, labels,
+                                                  PROMPT_COLUMNS)
+        dense_hidden = base.model(**dense.kwargs).last_hidden_state
+    assert base.config._attn_implementation == packing.PACKED_ATTENTION_PREFIX + own
+    assert torch.equal(rerun, first)
+    assert torch.equal(padded_after, padded)
+    torch.testing.assert_close(first, dense_hidden, rtol=1e-5, atol=1e-5)
 
 
 @contextlib.contextmanager

@@ -99,6 +99,8 @@ class _Norm(torch.nn.Module):
             y = xf * torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
         elif s == "one_over_sqrt":
             y = xf * (1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+        elif s == "reciprocal_times_one":  # `1.0 / sqrt(...)` as torch 2.11's Dynamo traces it (Tensor.__rdiv__)
+            y = xf * (torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps).reciprocal() * 1.0)
         elif s == "div_sqrt":
             y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         elif s == "pow_half":
@@ -113,7 +115,8 @@ class _Norm(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    "spelling", ["square", "x*x", "one_over_sqrt", "div_sqrt", "pow_half", "no_weight", "functional"]
+    "spelling",
+    ["square", "x*x", "one_over_sqrt", "reciprocal_times_one", "div_sqrt", "pow_half", "no_weight", "functional"],
 )
 def test_spellings_match(spelling):
     expected, expected_grad, actual, actual_grad = eager_then_compiled(_Norm(spelling), torch.randn(3, 5, 48, requires_grad=True))

@@ -35,7 +35,9 @@ reads) switches *offloaded* checkpointing on and off for that layer: HF's own ch
 inside ours, and code that toggles checkpointing around generation (TRL, HF Trainer, PEFT's
 `prepare_model_for_kbit_training`) pauses and resumes offloading. Enabling turns it on;
 `gradient_checkpointing_kwargs` (reentrant, HF's `offload=`) are ignored: this is always
-non-reentrant. PEFT's `enable_input_require_grads` is not needed (that is for reentrant checkpointing).
+non-reentrant. PEFT's `enable_input_require_grads` is not needed (that is for reentrant checkpointing); where it
+is on (PEFT's `gradient_checkpointing_enable` turns it on), layer 0's input is a leaf that requires grad, held by
+its AccumulateGrad node until backward, so it stays on the device besides its host copy.
 Gradients are exactly those of plain non-reentrant checkpointing: `loss.backward()`,
 `torch.autograd.grad` and `retain_graph` all work, and RNG state and autocast are replayed by torch's
 checkpoint as usual. Other layer inputs (attention

@@ -46,8 +46,13 @@ def _unwrap_for_generation(model: nn.Module) -> nn.Module:
     return getattr(base, "_orig_mod", base)
 
 
-def _forward(decoder: nn.Module, **kwargs):
-    """Call the decoder eagerly even when `decoder.compile()` gave it a compiled (training) call path."""
+def _forward(decoder: nn.Module, input_ids: torch.Tensor, **kwargs):
+    """Call the decoder eagerly even when `decoder.compile()` gave it a compiled (training) call path.
+
+    The tokens are embedded here with the embedding's own forward, skipping its hooks: those are for
+    training (PEFT's and TRL's `enable_input_require_grads` under gradient checkpointing calls
+    `requires_grad_`, which a fullgraph decode step cannot trace and no-grad sampling does not need)."""
+    kwargs["inputs_embeds"] = decoder.get_input_embeddings().forward(input_ids)
     if getattr(decoder, "_compiled_call_impl", None) is not None:
         return decoder._call_impl(**kwargs)
     return decoder(**kwargs)

@@ -23,7 +23,6 @@ Pure torch and transformers; the caller (fastgrpo.integrations.trl) decides when
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -359,24 +358,46 @@ def block_mask(plan: PackPlan, window: int | None = None):
                                     mask_mod=plan.mask_mod(window), seq_lengths=(plan.length, plan.length))
 
 
-@contextlib.contextmanager
-def attention_implementation(config, name: str):
-    """Run the model with `config._attn_implementation = name` (its attention modules read it per call)."""
-    previous = config._attn_implementation
-    if previous == name:
-        yield
+PACKED_ATTENTION_PREFIX = "fastgrpo_packed+"
+
+
+def use_mask_dispatched_attention(config) -> None:
+    """Make the model's attention choose flex_attention per call when its mask is a packed BlockMask, and
+    the model's own attention (and mask format) otherwise.
+
+    The choice must follow the call, not a setting around it: non-reentrant checkpointing re-runs each
+    layer's forward during backward, after any context around the forward has exited, and that recompute
+    sees the same BlockMask the forward saw. Registered once per own implementation under
+    "fastgrpo_packed+<own>" in transformers' attention and mask registries; idempotent."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    text = config.get_text_config()
+    own = text._attn_implementation
+    if own is None or own.startswith(PACKED_ATTENTION_PREFIX):
         return
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+    name = PACKED_ATTENTION_PREFIX + own
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        from torch.nn.attention.flex_attention import BlockMask
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+            if isinstance(attention_mask, BlockMask):
+                attention = flex_attention_forward
+            elif own == "eager":  # not in the registry: each modeling file has its own eager_attention_forward
+                attention = inspect.getmodule(type(module)).eager_attention_forward
+            else:
+                attention = ALL_ATTENTION_FUNCTIONS[own]
+            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+        AttentionInterface.register(name, dispatch)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[own])
+    config._attn_implementation = name  # sets the text sub-config too
 
 
 @dataclass
 class PackedCall:
     plan: PackPlan
-    implementation: str  # the attention implementation to run the packed forward with
     kwargs: dict  # for the decoder: input_ids, position_ids, attention_mask, use_cache
 
 
@@ -427,6 +448,8 @@ class Packer:
             return self.fall_back(implementation[1:])
         dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(
             input_ids.device.type) else model.get_input_embeddings().weight.dtype
+        if implementation == "flex_attention":
+            use_mask_dispatched_attention(model.config)
         masks = attention_masks(plan, model.config, implementation, dtype)
         for dense in (masks.values() if isinstance(masks, dict) else [masks]):
             if isinstance(dense, torch.Tensor):  # the packed length changes every batch: compile it dynamic
@@ -434,13 +457,13 @@ class Packer:
                 torch._dynamo.maybe_mark_dynamic(dense, 3)
         self.last_plan = plan
         kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
-        return PackedCall(plan, implementation, kwargs)
+        return PackedCall(plan, kwargs)
 
     def _implementation(self, config, device, plan: PackPlan) -> str:
         """The attention implementation to use, or "!reason" when none fits."""
         if self.attention == "flex_attention" or (self.attention == "auto" and device.type == "cuda"):
             return "flex_attention"
-        own = config.get_text_config()._attn_implementation
+        own = config.get_text_config()._attn_implementation.removeprefix(PACKED_ATTENTION_PREFIX)
         if own not in ("sdpa", "eager"):
             return f"!the dense-mask packing runs SDPA or eager attention; the model uses {own!r}"
         if plan.length > DENSE_MASK_MAX_TOKENS:

@@ -210,12 +210,21 @@ def _lora_args(lora, like):
     return xa, b, b.shape[1], xa.stride(0), b.stride(0), b.stride(1)
 
 
+def _act_mul_blocks(g: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the act_mul kernels. On CUDA, 64 x 128 tiles of 2-byte g/u; fp32 tiles
+    half as wide, or the backward's pipelined loads of dh, g and u (3 stages) need 304 KB of shared memory
+    (an H200 has 227 KB per block)."""
+    if g.is_cuda:
+        return 64, (128 if g.element_size() <= 2 else 64), 8
+    return min(max(triton.next_power_of_2(g.shape[0]), 16), 64), 128, 4
+
+
 def _act_mul_fwd_triton(g, u, h, lora_g, lora_u, scale, act):
     """Writes act(g) * u into h ([N, I], unit column stride; may be a row slice of a larger h)."""
     n_rows, n_cols = g.shape
     if n_rows == 0:
         return
-    block_m, block_n, num_warps = (64, 128, 8) if g.is_cuda else (min(max(triton.next_power_of_2(n_rows), 16), 64), 128, 4)
+    block_m, block_n, num_warps = _act_mul_blocks(g)
     xag, bg, rank_g, xag_s0, bg_s0, bg_s1 = _lora_args(lora_g, g)
     xau, bu, rank_u, xau_s0, bu_s0, bu_s1 = _lora_args(lora_u, g)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
@@ -235,7 +244,7 @@ def _act_mul_bwd_triton(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g
     if n_rows == 0:
         return (torch.zeros(0, lora_g[1].shape[1], device=g.device) if need_dxa_g else None,
                 torch.zeros(0, lora_u[1].shape[1], device=g.device) if need_dxa_u else None)
-    block_m, block_n, num_warps = (64, 128, 8) if g.is_cuda else (min(max(triton.next_power_of_2(n_rows), 16), 64), 128, 4)
+    block_m, block_n, num_warps = _act_mul_blocks(g)
     n_row_blocks = triton.cdiv(n_rows, block_m)
     n_col_blocks = triton.cdiv(n_cols, block_n)
     if need_dxa_g or need_dxa_u:

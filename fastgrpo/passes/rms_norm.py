@@ -87,16 +87,19 @@ def _normalized(x_fp: fx.Node, scale: fx.Node, how: str) -> list[fx.Node]:
                 return [user, *_normalized(x_fp, user, "mul")]
         raise Miss("sqrt of the variance is not used to divide the input")
     for user in scale.users:
-        # `x * rsqrt(...).to(x.dtype)` (DeepSeek-V4): the scale may pass through casts first.
+        # `x * rsqrt(...).to(x.dtype)` (DeepSeek-V4): the scale may pass through casts first, and through
+        # `* 1.0` (torch 2.11's Dynamo traces `1.0 / t` as Tensor.__rdiv__: `t.reciprocal() * 1.0`).
         casts, factor = [], scale
-        while is_kind(user, "cast") and only_user(user) is not None:
+        while only_user(user) is not None and (
+            is_kind(user, "cast") or (is_kind(user, "mul") and is_scalar(other_operand(user, factor), 1.0))
+        ):
             casts.append(user)
             factor, user = user, only_user(user)
         if is_kind(user, "mul"):
             other = other_operand(user, factor)
             if strip_widening_casts(other) is strip_widening_casts(x_fp):
                 for cast in casts:
-                    if not is_widening_or_same(dtype(cast.args[0]), dtype(cast)):
+                    if is_kind(cast, "cast") and not is_widening_or_same(dtype(cast.args[0]), dtype(cast)):
                         raise Miss(f"the inverse RMS is rounded to {dtype(cast)} before it scales the input: "
                                    f"a rounding the op does not reproduce")
                 return [*casts, user]
