@@ -228,34 +228,66 @@ def _has_rope(model: nn.Module) -> bool:
     return isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > 0
 
 
+class _ReadsTensors(torch.overrides.TorchFunctionMode):
+    """Records whether any torch op inside it takes one of `tensors` as an input."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.ids = {id(t) for t in tensors}
+        self.read = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        inputs, _ = torch.utils._pytree.tree_flatten((args, kwargs or {}))
+        self.read = self.read or any(id(x) in self.ids for x in inputs)
+        return func(*args, **(kwargs or {}))
+
+
+def _uses_position_embeddings(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether an attention module computes with the (cos, sin) it is given: called again on the same inputs,
+    does any op read them? False for NoPE and linear-attention layers that take position embeddings and
+    ignore them. (Perturbing cos/sin and comparing outputs is no test: a tiny random-init attention can be
+    near-uniform, so rotation-insensitive, while it rotates.) Modules given none (rotation computed inside,
+    GPT-J) count as RoPE."""
+    cos_sin = kwargs.get("position_embeddings")
+    pair = isinstance(cos_sin, (tuple, list)) and len(cos_sin) == 2
+    if not (pair and all(isinstance(t, torch.Tensor) for t in cos_sin)):
+        return True
+    with torch.no_grad(), _ReadsTensors(cos_sin) as mode:
+        module(*args, **kwargs)
+    return mode.read
+
+
 def count_calls(model: nn.Module, run) -> dict[str, int]:
     """How often RMSNorm-like modules, attention layers and gated MLPs / expert banks run in `run()`
-    (Dynamo unrolls every call into its own site), and how many attention modules ran at all (a
-    RoPE site is counted per attention module, however often a recurrent model calls it)."""
+    (Dynamo unrolls every call into its own site), how many attention modules ran at all, and how many of
+    those rotate by their position embeddings (a RoPE site is counted per such attention module, however
+    often a recurrent model calls it; NoPE and linear-attention layers are not RoPE sites)."""
     categories = {
         "rms_norm": _is_rms_norm,
         "attention": _is_attention,
         "gated_mlp": lambda m: (_is_gated_mlp(m) and not _is_attention(m)) or _is_gated_experts(m),
     }
     counts = dict.fromkeys(categories, 0)
-    attention_modules = set()
+    first_calls = {}  # attention module -> (args, kwargs) of its first call
     handles = []
 
-    def hook(module, category):
+    def hook(module, args, kwargs, category):
         counts[category] += 1
-        if category == "attention":
-            attention_modules.add(id(module))
+        if category == "attention" and module not in first_calls:
+            first_calls[module] = (args, kwargs)
 
     for module in model.modules():
         for category, test in categories.items():
             if test(module):
-                handles.append(module.register_forward_hook(lambda m, args, out, category=category: hook(m, category)))
+                handles.append(module.register_forward_hook(
+                    lambda m, args, kwargs, out, category=category: hook(m, args, kwargs, category), with_kwargs=True))
     try:
         run()
     finally:
         for handle in handles:
             handle.remove()
-    return counts | {"attention_modules": len(attention_modules)}
+    rotating = sum(_uses_position_embeddings(m, *call) for m, call in first_calls.items())
+    return counts | {"attention_modules": len(first_calls), "rotating_attention_modules": rotating}
 
 
 # --- one architecture ----------------------------------------------------------------------
@@ -387,7 +419,7 @@ def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = Fals
         result["modules"] = calls
         result["expected"] = {
             "rms_norm": calls["rms_norm"],
-            "rope": calls["attention_modules"] if _has_rope(model) else 0,
+            "rope": calls["rotating_attention_modules"] if _has_rope(model) else 0,
             "gated_mlp": calls["gated_mlp"],
             "selective_logprob": 1,
         }
@@ -434,7 +466,7 @@ STATUSES = {
             "written inline), no near miss, no graph break, equal to eager",
     "explained": "equal to eager, no graph break, and every site is matched or reported as a near miss with its reason",
     "incomplete": "equal to eager, but some sites are neither matched nor reported (a spelling the passes do not "
-                  "know, NoPE or linear-attention layers counted as RoPE sites), or graph breaks",
+                  "know), or graph breaks",
     "mismatch": "compiled and eager results differ",
     "out of scope": "no RMSNorm, RoPE or gated MLP",
 }
@@ -528,8 +560,9 @@ def write_markdown(results: list[dict], path: Path, inner: str, lora: bool, seq_
         f"completion log-prob function (batch 2, {seq_len} tokens), forward + backward, compared with eager.",
         "",
         "Cells are matched sites / sites the model has (counted on the eager run: RMSNorm-like modules by "
-        "class name; for RoPE, attention modules with a matched rotation / attention layers when the model uses "
-        "rotary embeddings; for the gated "
+        "class name; for RoPE, attention modules with a matched rotation / attention modules that compute with "
+        "the cos and sin they are given, when the model uses rotary embeddings (NoPE "
+        "and linear-attention layers are no RoPE sites); for the gated "
         "MLP column gated MLPs and gated expert banks found by their weight shapes (more matches mean an "
         "`act(g) * u` elsewhere: a gated norm, a Mamba gate); one lm-head). `act_mul` = the site matched but its "
         "projections "

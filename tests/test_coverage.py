@@ -27,9 +27,10 @@ def _records(name):
 # partial rotary, cast-after-multiply, MoE experts (plain, with a shared expert, with group
 # routing and multi-head latent attention with even/odd RoPE), complex-number RoPE and L2 norms,
 # linear attention with gated norms, LayerNorm with interleaved RoPE, sign-flipped RoPE followed
-# by q/k norms, casts inside the norm and the rotation (DeepSeek-V4).
+# by q/k norms, casts inside the norm and the rotation (DeepSeek-V4), sliding layers with RoPE beside global
+# layers without it (Cohere2: a NoPE layer is no RoPE site).
 SAMPLE = ["qwen3", "gemma2", "phi3", "olmo2", "mixtral", "qwen2_moe", "deepseek_v3", "llama4", "qwen3_next", "cohere",
-          "nanochat", "deepseek_v4"]
+          "nanochat", "deepseek_v4", "cohere2"]
 
 
 @pytest.mark.parametrize("arch", SAMPLE)
