@@ -12,10 +12,41 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _triton_on_cpu = False
+_cuda_launch_configs = False
+# What `multiprocessor_count` answers for a CPU tensor inside `cuda_launch_configs()`: an H100/H200's SMs.
+RECORDING_SMS = 132
 
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or _triton_on_cpu
+
+
+def launch_like_cuda(t: torch.Tensor) -> bool:
+    """Whether a kernel launch on `t` takes the configuration made for GPUs (block sizes, warps, grid
+    sizing, TF32 dot precision) rather than the interpreter's: on CUDA tensors, and on CPU tensors inside
+    `cuda_launch_configs()`."""
+    return t.is_cuda or _cuda_launch_configs
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device; RECORDING_SMS inside `cuda_launch_configs()`; 1 for the interpreter."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return RECORDING_SMS if _cuda_launch_configs else 1
+
+
+@contextlib.contextmanager
+def cuda_launch_configs():
+    """Inside `triton_on_cpu()`: launch with the configurations a GPU would get, so that a test can record
+    and compile exactly those (tests/test_triton_compiles_for_cuda.py). Results computed this way are not
+    checked (the interpreter does not model TF32)."""
+    global _cuda_launch_configs
+    previous, _cuda_launch_configs = _cuda_launch_configs, True
+    try:
+        yield
+    finally:
+        _cuda_launch_configs = previous
 
 
 @contextlib.contextmanager

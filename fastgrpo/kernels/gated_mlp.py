@@ -196,7 +196,7 @@ def _lora_b_grad_kernel(
 def _dot_precision(t: torch.Tensor) -> str:
     # The in-kernel LoRA products stand in for PEFT's fp32 matmuls: 3-pass TF32 (about fp32
     # accuracy) on GPUs, plain fp32 in the interpreter.
-    return "tf32x3" if t.is_cuda else "ieee"
+    return "tf32x3" if _dispatch.launch_like_cuda(t) else "ieee"
 
 
 def _block_r(lora) -> int:
@@ -214,7 +214,7 @@ def _act_mul_blocks(g: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the act_mul kernels. On CUDA, 64 x 128 tiles of 2-byte g/u; fp32 tiles
     half as wide, or the backward's pipelined loads of dh, g and u (3 stages) need 304 KB of shared memory
     (an H200 has 227 KB per block)."""
-    if g.is_cuda:
+    if _dispatch.launch_like_cuda(g):
         return 64, (128 if g.element_size() <= 2 else 64), 8
     return min(max(triton.next_power_of_2(g.shape[0]), 16), 64), 128, 4
 
@@ -249,7 +249,7 @@ def _act_mul_bwd_triton(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g
     n_col_blocks = triton.cdiv(n_cols, block_n)
     if need_dxa_g or need_dxa_u:
         # Column splits only to fill the GPU; each adds one fp32 [N, r] partial.
-        target = 4 * torch.cuda.get_device_properties(g.device).multi_processor_count if g.is_cuda else 1
+        target = 4 * _dispatch.multiprocessor_count(g.device) if _dispatch.launch_like_cuda(g) else 1
         n_splits = min(n_col_blocks, triton.cdiv(target, n_row_blocks))
     else:
         n_splits = n_col_blocks
@@ -279,10 +279,10 @@ def _lora_b_grad_triton(dg, xa, scale):
     if n_rows == 0:
         return torch.zeros(n_cols, rank, dtype=torch.float32, device=dg.device)
     block_r = max(16, triton.next_power_of_2(rank))
-    if dg.is_cuda:
+    if _dispatch.launch_like_cuda(dg):
         block_m, block_n, num_warps = 64, 128, 8
         n_col_blocks = triton.cdiv(n_cols, block_n)
-        target = 4 * torch.cuda.get_device_properties(dg.device).multi_processor_count
+        target = 4 * _dispatch.multiprocessor_count(dg.device)
         n_splits = max(1, min(triton.cdiv(n_rows, block_m), triton.cdiv(target, n_col_blocks)))
     else:
         block_m, block_n, num_warps, n_splits = 64, 128, 4, 1

@@ -27,7 +27,6 @@ match), as d(x + residual) / dx = d(x + residual) / dresidual = 1.
 CUDA tensors run the Triton kernels; CPU tensors run the torch implementation below (or the
 Triton kernels through the interpreter inside `_dispatch.triton_on_cpu()`).
 """
-import functools
 from typing import Optional
 
 import torch
@@ -265,20 +264,12 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool) -> tuple[int, int, Optiona
     return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:
     """Programs of a backward launch. With dW these are persistent programs whose number is
     fixed per device, so the fp32 partial sums (hence dW) are bit-reproducible."""
     if programs_per_sm is None:
         return n_row_blocks
-    sms = 1  # the interpreter: few programs
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(n_row_blocks, programs_per_sm * sms))
+    return max(1, min(n_row_blocks, programs_per_sm * _dispatch.multiprocessor_count(device)))
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -328,7 +319,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
     if weight is not None:
         weight = weight.contiguous()
     prod_dtype = torch.promote_types(src_dtype, weight.dtype) if weight is not None else src_dtype
-    block_row, num_warps = _fwd_config(H, x.is_cuda)
+    block_row, num_warps = _fwd_config(H, _dispatch.launch_like_cuda(x))
     grid = (triton.cdiv(n_rows, block_row),)
     _rms_norm_fwd_kernel[grid](
         x_, *x_st,
@@ -364,7 +355,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src])
     if weight is not None:
         weight = weight.contiguous()
-    block_row, num_warps, programs_per_sm = _bwd_config(H, src.is_cuda, weight_grad)
+    block_row, num_warps, programs_per_sm = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad)
     programs = _bwd_programs(src.device, triton.cdiv(n_rows, block_row), programs_per_sm)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](

@@ -185,7 +185,7 @@ def _launch_views(views, rotary_dim, interleaved, backward):
     n_pass = head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(n_pass) if n_pass > 0 else 0
-    if q4.is_cuda:
+    if _dispatch.launch_like_cuda(q4):
         # Measured on an H200 (bench/bench_rope.py): one position and all heads per program,
         # 2 warps, keeps the most bytes in flight; more positions per program only for few heads.
         block_hq = min(triton.next_power_of_2(n_heads_q), 32)

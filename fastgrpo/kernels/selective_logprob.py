@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels._dispatch import check_dtype, use_triton
+from fastgrpo.kernels._dispatch import check_dtype, launch_like_cuda, use_triton
 
 IGNORE_INDEX = -100
 _OP = "selective_logprob"
@@ -78,7 +78,7 @@ TORCH_VOCAB = 512
 
 
 def _tile_configs(hidden: torch.Tensor) -> tuple[TileConfig, TileConfig]:
-    if not hidden.is_cuda:
+    if not launch_like_cuda(hidden):
         return INTERPRETER_TILES, INTERPRETER_TILES
     return CUDA_FORWARD, CUDA_BACKWARD_NARROW if hidden.shape[1] <= 2048 else CUDA_BACKWARD
 
