@@ -8,11 +8,16 @@
 #   .whl/*.whl       trl 1.16, datasets, dill, multiprocess   (fastgrpo's trainer targets trl 1.16)
 # Usage: DEADLINE_S=560 bash bench/device_session.sh [steps...]   (default: every step, in this order)
 #        a step written a+b+c runs a, b and c side by side (for correctness and memory steps, never timings)
+#        tests_failed re-runs the tests named in $FAILED_TESTS (pytest arguments, e.g. "-m gpu tests/test_offload.py")
+# Test failures are appended to $OUT/test_failures.txt (and $OUT/cuda_failures.txt for tests_on_cuda) as they
+# happen, so a step cut by its cap still leaves them. A typical first call of a session:
+#   DEADLINE_S=570 bash bench/device_session.sh "tests+tests_on_cuda+qlora+long_run" fastgrpo unsloth
 #
 # Lessons from 2026-11-29: one process per peer (Liger patches transformers' modules for the whole
 # process, and its compiled loss cannot recompile for a second length); GPU tests under xdist with
 # -v and a per-test timeout (otherwise a killed run reports nothing); flex_attention and inductor
-# compiles of the 28-layer model take minutes: give packed rows their own step.
+# compiles of the 28-layer model take minutes: give packed rows their own step. A whole call with side-by-side
+# correctness steps and three timed steps used ~415 s of its 570.
 set -u
 START=$(date +%s); DEADLINE=$((START + ${DEADLINE_S:-560}))
 OUT=${OUT:-/tmp/fastgrpo-device}; mkdir -p "$OUT"
