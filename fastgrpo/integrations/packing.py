@@ -162,7 +162,7 @@ def plan_packing(
         cursor += length
     if cursor == 0:
         return None, "every row is empty", None
-    if share_prompt and no_sharing is None:
+    if sharing:
         # Rows that reuse an earlier row's prompt, plus the rows they reuse it from.
         starts_run = torch.zeros(rows, dtype=torch.bool, device=device)
         starts_run[:-1] = same_as_previous[1:] & ~same_as_previous[:-1]

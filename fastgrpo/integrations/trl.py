@@ -79,6 +79,16 @@ def _auto_or_positive_int(name: str, value) -> int | str:
     return value
 
 
+def _auto_or_bool(name: str, value) -> bool | str:
+    """True, False or "auto"; CLI strings ("true", "False", "auto") become those."""
+    if isinstance(value, str):
+        choice = {"auto": "auto", "true": True, "false": False}.get(value.strip().lower())
+        if choice is None:
+            raise ValueError(f"{name}={value!r}; use True, False or 'auto'")
+        return choice
+    return value
+
+
 @dataclass
 class GRPOConfig(TRLGRPOConfig):
     """TRL's `GRPOConfig` with fastgrpo's knobs and corrected defaults (all TRL fields still apply).
@@ -201,18 +211,9 @@ class GRPOConfig(TRLGRPOConfig):
             self.top_k = 0
         self.fastgrpo_mini_batch = _auto_or_positive_int("fastgrpo_mini_batch", self.fastgrpo_mini_batch)
         self.fastgrpo_logprob_chunk = _auto_or_positive_int("fastgrpo_logprob_chunk", self.fastgrpo_logprob_chunk)
-        if isinstance(self.fastgrpo_packing, str):  # CLI strings
-            choice = {"auto": "auto", "true": True, "false": False}.get(self.fastgrpo_packing.strip().lower())
-            if choice is None:
-                raise ValueError(f"fastgrpo_packing={self.fastgrpo_packing!r}; use True, False or 'auto'")
-            self.fastgrpo_packing = choice
-        if isinstance(self.fastgrpo_offload_checkpointing, str):  # CLI strings
-            choice = {"auto": "auto", "true": True, "false": False}.get(
-                self.fastgrpo_offload_checkpointing.strip().lower())
-            if choice is None:
-                raise ValueError(
-                    f"fastgrpo_offload_checkpointing={self.fastgrpo_offload_checkpointing!r}; use True, False or 'auto'")
-            self.fastgrpo_offload_checkpointing = choice
+        self.fastgrpo_packing = _auto_or_bool("fastgrpo_packing", self.fastgrpo_packing)
+        self.fastgrpo_offload_checkpointing = _auto_or_bool(
+            "fastgrpo_offload_checkpointing", self.fastgrpo_offload_checkpointing)
         if self.fastgrpo_offload_checkpointing is True and not self.gradient_checkpointing:
             raise ValueError(
                 "fastgrpo_offload_checkpointing=True is a form of gradient checkpointing; set gradient_checkpointing=True "

@@ -89,20 +89,20 @@ def _normalized(x_fp: fx.Node, scale: fx.Node, how: str) -> list[fx.Node]:
     for user in scale.users:
         # `x * rsqrt(...).to(x.dtype)` (DeepSeek-V4): the scale may pass through casts first, and through
         # `* 1.0` (torch 2.11's Dynamo traces `1.0 / t` as Tensor.__rdiv__: `t.reciprocal() * 1.0`).
-        casts, factor = [], scale
+        passed_through, factor = [], scale
         while only_user(user) is not None and (
             is_kind(user, "cast") or (is_kind(user, "mul") and is_scalar(other_operand(user, factor), 1.0))
         ):
-            casts.append(user)
+            passed_through.append(user)
             factor, user = user, only_user(user)
         if is_kind(user, "mul"):
             other = other_operand(user, factor)
             if strip_widening_casts(other) is strip_widening_casts(x_fp):
-                for cast in casts:
-                    if is_kind(cast, "cast") and not is_widening_or_same(dtype(cast.args[0]), dtype(cast)):
-                        raise Miss(f"the inverse RMS is rounded to {dtype(cast)} before it scales the input: "
+                for step in passed_through:
+                    if is_kind(step, "cast") and not is_widening_or_same(dtype(step.args[0]), dtype(step)):
+                        raise Miss(f"the inverse RMS is rounded to {dtype(step)} before it scales the input: "
                                    f"a rounding the op does not reproduce")
-                return [*casts, user]
+                return [*passed_through, user]
     raise Miss("the inverse RMS is not multiplied into the same input")
 
 
