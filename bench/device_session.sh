@@ -23,13 +23,24 @@ START=$(date +%s); DEADLINE=$((START + ${DEADLINE_S:-560}))
 OUT=${OUT:-/tmp/fastgrpo-device}; mkdir -p "$OUT"
 cap() { local left=$((DEADLINE - $(date +%s))); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p /tmp/site /tmp/site_t
-[ -f .whlU/site.tgz ] && tar xzf .whlU/site.tgz -C /tmp/site
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_t .whl/*.whl
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+# Installed once per machine, so two sessions can run side by side (one per GPU: CUDA_VISIBLE_DEVICES, own OUT).
+(
+  flock 9
+  if [ ! -f /tmp/site/.installed ]; then
+    mkdir -p /tmp/site /tmp/site_t
+    [ -f .whlU/site.tgz ] && tar xzf .whlU/site.tgz -C /tmp/site
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_t .whl/*.whl
+    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    touch /tmp/site/.installed
+  fi
+) 9>/tmp/site.lock
 OURS="PYTHONPATH=/tmp/site_t:/tmp/site:$PWD"
 PEERS="PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache HF_HOME=/tmp/hf_home"
 STEP_ARGS="--warmup 1 --repeat 2"
+# The single-GPU tests see one GPU (with two visible, a plain Trainer would use nn.DataParallel, which GRPOTrainer
+# refuses); tests_distributed and scaling see them all.
+ONE_GPU="CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}"
+eval "FAILED_TESTS_ARRAY=(${FAILED_TESTS:-})"  # shell words: quoted -k expressions stay one argument
 
 step() {  # name, cap seconds, environment, command...
   local name=$1 seconds; seconds=$(cap "$2"); shift 2
@@ -41,22 +52,31 @@ step() {  # name, cap seconds, environment, command...
 
 run_step() {
   case $1 in
-    tests) step tests 200 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
+    tests) step tests 200 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
     fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096,16384 $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 16384 $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
-    tests_failed) step tests_failed 240 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short $FAILED_TESTS ;;
-    tests_on_cuda) step tests_on_cuda 200 "$OURS FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
-    packed) step packed 220 "$OURS" python3 bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --completions 4096 $STEP_ARGS ;;
-    unsloth_spread) step unsloth_spread 120 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread $STEP_ARGS ;;
+    tests_failed) step tests_failed 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
+    tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
+    # SPREAD_PROMPT: the prompt length of the spread rows (default 256; issue 10 also asks for 1024).
+    packed) step packed 220 "$OURS" python3 bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-256}" --completions 4096 $STEP_ARGS ;;
+    unsloth_spread) step unsloth_spread 120 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
     offload_mlp_op) step offload_mlp_op 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_mlp_op --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
     generation) step generation 120 "$OURS" python3 bench/bench_generation.py ;;
-    long_run) step long_run 200 "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
+    long_run) step long_run ${LONG_RUN_CAP:-200} "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
+    # 2 GPUs (nvidia-h200-x2): DDP throughput of 2 GPUs against one process alone on one GPU, and the 2-GPU tests
+    # of tests/test_distributed.py (DDP and FSDP2 through accelerate == 1 GPU; FSDP2 + inductor).
+    # SCALING_BASELINE: a grpo_scaling.json of an earlier 1-GPU launch (same code path) instead of timing it again.
+    scaling)
+      [ -n "${SCALING_BASELINE:-}" ] && cp "$SCALING_BASELINE" "$OUT/grpo_scaling.json" ||
+        step scaling_1gpu 150 "$OURS OUT=$OUT" torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8
+      step scaling_2gpu 170 "$OURS OUT=$OUT" torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8 --baseline-json "$OUT/grpo_scaling.json" ;;
+    tests_distributed) step tests_distributed 300 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 290 -rfE --tb=short tests/test_distributed.py ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions 1024,4096,16384 $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac

@@ -6,7 +6,8 @@ process: grpo_step's own step, no DDP. Several: the decoder wrapped in Distribut
 gradients are all-reduced during the backward. Prints tokens/s over all ranks (the slowest rank's median step
 sets the pace), each rank's peak memory, and the scaling efficiency tokens/s(N) / (N * tokens/s(1)), with the
 1-process numbers taken from --baseline-json or, with --local-baseline, measured in the same launch by running
-the step without DDP on every rank first.
+the step without DDP on every rank first. Each DDP record also times one all-reduce of as many bytes as the
+trainable gradients (what DDP moves per step, overlapped with the backward where the buckets allow).
 
     torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096
     torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --baseline-json $OUT/grpo_scaling.json
@@ -24,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,20 @@ def time_step(step, model, completion: int, vocab: int, device, warmup: int, rep
     return {"ms": statistics.median(times), "peak_gib": peak}
 
 
+def allreduce_ms(params, device, repeat: int = 10) -> float:
+    """Median time of one all-reduce of a buffer as large as the trainable gradients: the bytes DDP moves a step."""
+    buffer = torch.zeros(sum(p.numel() for p in params), device=device)
+    times = []
+    for _ in range(repeat + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
 def gather(value) -> list:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -91,13 +107,13 @@ def load_baselines(path: str) -> dict[int, dict]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| GPUs | completion | DDP | step ms (slowest rank) | tokens/s (all ranks) | peak GiB per rank | scaling efficiency |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| GPUs | completion | DDP | step ms (slowest rank) | tokens/s (all ranks) | peak GiB per rank | scaling efficiency | all-reduce of the LoRA gradients, ms |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
         peaks = ", ".join("-" if p is None else f"{p}" for p in r["peak_gib"])
         eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f} (vs {r['baseline']})"
         lines.append(f"| {r['gpus']} | {r['completion']} | {'yes' if r['ddp'] else 'no'} | {r['step_ms']:.0f} | "
-                     f"{r['tokens_per_s']} | {peaks} | {eff} |")  # fmt: skip
+                     f"{r['tokens_per_s']} | {peaks} | {eff} | {r.get('allreduce_ms', '-')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -141,6 +157,7 @@ def main() -> int:
         ddp = DistributedDataParallel(base.get_decoder(), device_ids=[local_rank] if cuda else None,
                                       broadcast_buffers=False, gradient_as_bucket_view=True)  # fmt: skip
 
+    trainable = [p for p in model.parameters() if p.requires_grad]
     baselines = load_baselines(args.baseline_json) if args.baseline_json else {}
     records = []
     for completion in completions:
@@ -157,6 +174,7 @@ def main() -> int:
             step = ddp_step(ddp, head, completion)
             result = summarize(gather(time_step(step, model, completion, vocab, device, args.warmup, args.repeat, rank)),
                                world, completion, ddp=True)  # fmt: skip
+            result["allreduce_ms"] = round(max(gather(allreduce_ms(trainable, device))), 2)
             records.append(result)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -63,9 +63,10 @@ def launch(*runs: tuple[list[str], list[str]], timeout: int) -> None:
 
 
 def accelerate_launch(processes: int, cpu: bool = True, fsdp2: bool = False) -> list[str]:
-    # --multi_gpu refuses one process; --cpu with one process is the plain single-process launch.
+    # --multi_gpu refuses one process; --cpu with one process is the plain single-process launch. One process on a
+    # multi-GPU host gets one GPU (with several visible, Trainer would wrap the model in nn.DataParallel).
     if processes == 1:
-        mode = ["--cpu"] if cpu else []
+        mode = ["--cpu"] if cpu else ["--gpu_ids", "0"]
     elif fsdp2:
         mode = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
                 "--fsdp_transformer_layer_cls_to_wrap", "Qwen2DecoderLayer"]  # fmt: skip
@@ -122,6 +123,9 @@ def run_trainer(model_dir: str, out_path: str, device_type: str = "cpu") -> None
         logging_steps=1, seed=0, gradient_checkpointing=False, gradient_checkpointing_kwargs={"use_reentrant": False},
         fastgrpo_compile_options={"inner": "aot_eager"} if cpu else None, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5,
         disable_tqdm=True,
+        # Gradient buckets of ~100 bytes: inside DDP's forward Dynamo would cut the compiled graph at every bucket
+        # boundary (its DDPOptimizer) and lose the patterns spanning a cut; fastgrpo compiles it whole.
+        ddp_bucket_cap_mb=1e-4 if world > 1 else None,
     )  # fmt: skip
     records = {"grads": [], "loss_types": []}
 
@@ -157,7 +161,9 @@ def run_trainer(model_dir: str, out_path: str, device_type: str = "cpu") -> None
     assert any(head.backbone._compiled is not None for head in trainer._fastgrpo_heads) and fastgrpo.fusion_reports()
     weights = {n: full(p) for n, p in lora_params(trainer.model)}  # every rank: gathering FSDP shards is collective
     if rank == 0:
-        records.update(logs=[log for log in trainer.state.log_history if "loss" in log], weights=weights, world=world)
+        matched = [{name: rec["matched"] for name, rec in r["patterns"].items()} for r in fastgrpo.fusion_reports()]
+        records.update(logs=[log for log in trainer.state.log_history if "loss" in log], weights=weights, world=world,
+                       matched=matched)  # fmt: skip
         torch.save(records, out_path)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # close the process group: exiting with it open can abort (gloo)
@@ -275,6 +281,9 @@ def model_dir(tmp_path_factory):
 def check_matches_one_process(single: dict, multi: dict, rtol: float) -> None:
     """Per-step logged loss and metrics, per-step LoRA gradients and the final LoRA weights agree."""
     assert (single["world"], multi["world"]) == (1, 2)
+    # Every graph compiled under DDP is one the single process compiled too, with the same sites fused (a graph
+    # cut into pieces would show as graphs with fewer sites).
+    assert {str(m) for m in multi["matched"]} == {str(m) for m in single["matched"]}, (single["matched"], multi["matched"])
     assert single["loss_types"] == multi["loss_types"] == ["dapo", "grpo"]
     assert len(single["logs"]) == len(multi["logs"]) == STEPS
     assert "reward" in single["logs"][0]  # step 2 trains on step 1's completions: no new rewards to log

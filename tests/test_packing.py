@@ -274,6 +274,47 @@ def test_attention_follows_the_mask_not_a_setting_around_the_call(own):
     torch.testing.assert_close(first, dense_hidden, rtol=1e-5, atol=1e-5)
 
 
+def test_trainer_packs_by_default_on_cuda_only(tmp_path):
+    from types import SimpleNamespace
+
+    import fastgrpo.integrations.trl as F
+
+    def on(device: str, **config) -> bool:
+        args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
+        return F.GRPOTrainer._packing_on(SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device))))
+
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_packing == "auto"
+    assert on("cuda") and not on("cpu")
+    assert on("cpu", fastgrpo_packing="true") and not on("cuda", fastgrpo_packing=False)
+
+
+def test_packed_attention_never_takes_the_flex_decoding_kernel(monkeypatch):
+    # Inductor lowers flex_attention with fewer than 128 queries to its flex-decoding kernel, an inference kernel
+    # that found no valid config for packed masks on an H200 (NoValidChoicesError): a packed forward asks for the
+    # flex_attention kernel at every length, keeping any kernel options of the caller.
+    from transformers.integrations import flex_attention as hf_flex
+
+    seen = []
+    run_flex = hf_flex.compile_friendly_flex_attention
+
+    def recording(*args, kernel_options=None, **kwargs):
+        seen.append(kernel_options)
+        return run_flex(*args, kernel_options=kernel_options, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", recording)
+    model = tiny_model("llama", lora=True)
+    base = model.get_base_model()
+    ids, mask, labels = padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        call = Packer(attention="flex_attention").prepare(base, {"input_ids": ids, "attention_mask": mask}, labels,
+                                                          PROMPT_COLUMNS)
+        assert call.plan.length < 128
+        base.model(**call.kwargs)
+        base.model(**call.kwargs, kernel_options={"BLOCK_M": 64})
+    layers = model.config.num_hidden_layers
+    assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * layers + [{"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 64}] * layers
+
+
 @contextlib.contextmanager
 def _no_fallback():
     """Fail on any fastgrpo warning (a fallback to the padded path would make a comparison vacuous)."""
@@ -353,8 +394,8 @@ def test_gpu_flex_packed_and_shared_match_padded(arch):
     for rows, shared in ((ROWS, SHARED), (LONG_ROWS, LONG_SHARED)):
         batch = tuple(t.cuda() for t in padded_batch(model.config.vocab_size, rows, shared))
         head.prompt_columns = max(p for p, _ in rows)
-        padded = run(model, head, None, batch)
         completions = max(c for _, c in rows)
+        padded = run(model, head, None, batch, completions)
         with _no_fallback():
             for packer in (Packer(), Packer(share_prompt=True)):
                 assert_same(padded, run(model, head, packer, batch, completions), rtol=1e-4)

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from fastgrpo.compiler.options import Options
-from fastgrpo.compiler.report import format_reports, new_report
+from fastgrpo.compiler.report import format_reports, new_report, publish
 from fastgrpo.passes import PASSES, autocast
 from fastgrpo.passes._fx import all_graph_modules
 
@@ -49,6 +49,10 @@ def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None
         record = report.record(name)
         for sub in all_graph_modules(gm):
             PASSES[name].apply(sub, record, opts)
+    compiled = _inner_compiler(opts, mode)(gm, example_inputs)
+    # Only a graph that compiled is reported: Dynamo abandons a compile whose inner compiler asks it to restart
+    # its analysis (e.g. after specializing a symbolic float such as PEFT's LoRA scaling) and traces again.
+    publish(report)
     if opts.print_report:
         print(format_reports([report.as_dict()]))
-    return _inner_compiler(opts, mode)(gm, example_inputs)
+    return compiled

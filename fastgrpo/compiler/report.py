@@ -30,9 +30,13 @@ _REPORTS: list[FusionReport] = []
 
 
 def new_report(kernels: str, inner: str) -> FusionReport:
-    report = FusionReport(graph=len(_REPORTS), kernels=kernels, inner=inner)
+    """A report for a graph being compiled; it joins `fusion_reports()` only through `publish`."""
+    return FusionReport(graph=-1, kernels=kernels, inner=inner)
+
+
+def publish(report: FusionReport) -> None:
+    report.graph = len(_REPORTS)
     _REPORTS.append(report)
-    return report
 
 
 def fusion_reports() -> list[dict]:

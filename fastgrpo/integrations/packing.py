@@ -383,6 +383,9 @@ def use_mask_dispatched_attention(config) -> None:
 
         def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
             if isinstance(attention_mask, BlockMask):
+                # A packed batch of fewer than 128 tokens would get inductor's flex-decoding kernel (an inference
+                # kernel for short queries), which found no valid config for these masks on an H200.
+                kwargs["kernel_options"] = {"FORCE_USE_FLEX_ATTENTION": True, **(kwargs.get("kernel_options") or {})}
                 attention = flex_attention_forward
             elif own == "eager":  # not in the registry: each modeling file has its own eager_attention_forward
                 attention = inspect.getmodule(type(module)).eager_attention_forward
