@@ -17,7 +17,9 @@
 # process, and its compiled loss cannot recompile for a second length); GPU tests under xdist with
 # -v and a per-test timeout (otherwise a killed run reports nothing); flex_attention and inductor
 # compiles of the 28-layer model take minutes: give packed rows their own step. A whole call with side-by-side
-# correctness steps and three timed steps used ~415 s of its 570.
+# correctness steps and three timed steps used ~415 s of its 570. Unsloth with a 1024-token prompt did not finish
+# setup + compile + 3 steps in 120 s (its spread step now has 180 s). On nvidia-h200-x2 (second session of the
+# day): "scaling" then "tests_distributed" need both GPUs; single-GPU tests see GPU 0 only (ONE_GPU below).
 set -u
 START=$(date +%s); DEADLINE=$((START + ${DEADLINE_S:-560}))
 OUT=${OUT:-/tmp/fastgrpo-device}; mkdir -p "$OUT"
@@ -63,7 +65,7 @@ run_step() {
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
     # SPREAD_PROMPT: the prompt length of the spread rows (default 256; issue 10 also asks for 1024).
     packed) step packed 220 "$OURS" python3 bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-256}" --completions 4096 $STEP_ARGS ;;
-    unsloth_spread) step unsloth_spread 120 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
+    unsloth_spread) step unsloth_spread 180 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
     offload_mlp_op) step offload_mlp_op 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_mlp_op --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;

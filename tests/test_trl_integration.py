@@ -285,6 +285,38 @@ def test_gpu_training_with_automatic_precision_and_sizes(tokenizer, tmp_path):
     assert_reward_rose(rewards)
 
 
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_first_step_says_what_was_fused_and_warns_about_the_rest(tokenizer, tmp_path, capsys, graph_break):
+    import re
+    import warnings
+
+    import fastgrpo
+
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()  # Dynamo does not guard on hooks: a graph cached by another test would skip the break
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model(tokenizer)
+    if graph_break:  # code the decoder runs that Dynamo cannot trace: the layer around it runs uncompiled
+        model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    args = F.GRPOConfig(**common_args(tmp_path, max_steps=2, fastgrpo_compile_options=COMPILE_OPTIONS))
+    trainer = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), peft_config=LoraConfig(**LORA))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fastgrpo: ")]
+    assert len(printed) == 1, printed  # once, after the first step
+    problems = [str(w.message) for w in caught if str(w.message).startswith("fastgrpo: not accelerated")]
+    if graph_break:
+        assert len(problems) == 1 and "graph break" in problems[0], problems
+        return
+    assert not problems, problems
+    graphs = int(re.search(r"(\d+) graph\(s\) compiled", printed[0]).group(1))
+    fused = dict((name, int(n)) for name, n in re.findall(r"(\w+) (\d+)", printed[0].split("sites fused: ")[1]))
+    # Every compiled decoder graph (policy; adapters-disabled reference): 2 layers x (2 norms, rope, MLP) + final norm.
+    assert graphs >= 1 and fused == {"rope": 2 * graphs, "rms_norm": 5 * graphs, "gated_mlp": 2 * graphs}, printed
+
+
 def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
     monkeypatch.delenv("FASTGRPO_FORCE_FLOAT32", raising=False)
     monkeypatch.delenv("FASTGRPO_MIXED_PRECISION", raising=False)

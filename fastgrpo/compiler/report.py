@@ -70,3 +70,29 @@ def format_reports(reports: list[dict]) -> str:
         lines.append("not accelerated:")
         lines += [f"  graph {g} {name} at {m['site']}: {m['reason']}" for g, name, m in misses]
     return "\n".join(lines)
+
+
+def fusion_summary(reports: list[dict], graph_breaks: dict[str, int]) -> tuple[str, list[str]]:
+    """What `reports` fused, in one line, and what was not accelerated, each reason once with its count: the
+    near misses of the patterns and Dynamo's graph breaks (`graph_breaks`: reason -> count), whose code between
+    graphs runs eagerly, outside every pattern."""
+    matched: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    problems: dict[str, int] = {}
+    for report in reports:
+        for name, rec in report["patterns"].items():
+            matched[name] = matched.get(name, 0) + rec["matched"]
+            for site in rec["sites"]:
+                if "fallback" in site["form"]:
+                    fallbacks[f"{name} as {site['form']}"] = fallbacks.get(f"{name} as {site['form']}", 0) + 1
+            for miss in rec["near_misses"]:
+                text = f"{name} not accelerated: {miss['reason']}"
+                problems[text] = problems.get(text, 0) + 1
+    for reason, count in graph_breaks.items():
+        text = f"graph break (the code around it runs uncompiled): {reason}"
+        problems[text] = problems.get(text, 0) + count
+    fused = ", ".join(f"{name} {n}" for name, n in matched.items() if n) or "nothing"
+    line = f"fastgrpo: {len(reports)} graph(s) compiled; sites fused: {fused}"
+    if fallbacks:
+        line += " (" + "; ".join(f"{n}x {text}" for text, n in fallbacks.items()) + ")"
+    return line, [f"{n}x {text}" for text, n in problems.items()]

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import trl
 import trl.trainer
+from torch._dynamo.utils import counters
+from transformers import TrainerCallback
 from accelerate.utils import is_peft_model
 from trl.extras.profiling import profiling_context
 from trl.trainer import grpo_trainer as trl_grpo_trainer
@@ -48,7 +50,7 @@ from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
-from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend
+from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
@@ -508,6 +510,26 @@ def keep_bnb_4bit_on_its_autograd_path(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+class FusionSummary(TrainerCallback):
+    """After the first optimizer step, says once (main process) what the backend has fused in this process, and
+    warns with every site it could not accelerate and every graph break, each with its reason: nothing falls back
+    silently. (Graphs compiled earlier in the process are reused, not compiled again: they count too.)"""
+
+    def __init__(self):
+        self.done = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.done:
+            return
+        self.done = True
+        if not state.is_world_process_zero:
+            return
+        line, problems = fusion_summary(fusion_reports(), dict(counters["graph_break"]))
+        print(line, flush=True)
+        if problems:
+            warnings.warn("fastgrpo: not accelerated in this run:\n  " + "\n  ".join(problems), stacklevel=2)
+
+
 class GRPOTrainer(TRLGRPOTrainer):
     """TRL's `GRPOTrainer` with fastgrpo's log-prob head, compiled decoder and memory-sized mini-batches.
 
@@ -552,6 +574,8 @@ class GRPOTrainer(TRLGRPOTrainer):
             self._fastgrpo_heads.append(head)
         if self._offload_on():
             self._offload_checkpointing()
+        if args.fastgrpo_compile:
+            self.add_callback(FusionSummary())
         reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
         # With offloading (always non-reentrant) the hook is kept for another reason: the layers are compiled one
         # region each, and a first layer whose input needs no grad would compile a second layer graph.
