@@ -84,7 +84,8 @@ def fusion_summary(reports: list[dict], graph_breaks: dict[str, int]) -> tuple[s
             matched[name] = matched.get(name, 0) + rec["matched"]
             for site in rec["sites"]:
                 if "fallback" in site["form"]:
-                    fallbacks[f"{name} as {site['form']}"] = fallbacks.get(f"{name} as {site['form']}", 0) + 1
+                    text = f"{name} as {site['form']}"
+                    fallbacks[text] = fallbacks.get(text, 0) + 1
             for miss in rec["near_misses"]:
                 text = f"{name} not accelerated: {miss['reason']}"
                 problems[text] = problems.get(text, 0) + 1
