@@ -527,7 +527,8 @@ class FusionSummary(TrainerCallback):
         line, problems = fusion_summary(fusion_reports(), dict(counters["graph_break"]))
         print(line, flush=True)
         if problems:
-            warnings.warn("fastgrpo: not accelerated in this run:\n  " + "\n  ".join(problems), stacklevel=2)
+            warnings.warn("fastgrpo: not accelerated (graphs compiled in this process so far):\n  " + "\n  ".join(problems),
+                          stacklevel=2)
 
 
 class GRPOTrainer(TRLGRPOTrainer):
