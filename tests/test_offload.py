@@ -502,14 +502,11 @@ def test_cuda_equal_and_off_device(dtype, compiled):
 def test_trainer_flag_auto_means_cuda_with_checkpointing(tmp_path):
     # The default: offload whenever the policy trains on CUDA with checkpointing (measured: < 1 % slower than
     # plain checkpointing); never on CPU, where there is no device memory to save.
-    from types import SimpleNamespace
-
     import fastgrpo.integrations.trl as F
+    from tests.tiny_models import trainer_rule
 
     def on(device: str, **config) -> bool:
-        args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
-        return F.GRPOTrainer._offload_on(SimpleNamespace(args=args, accelerator=SimpleNamespace(
-            device=torch.device(device))))
+        return trainer_rule("_offload_on", tmp_path, device, **config)
 
     assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_offload_checkpointing == "auto"
     assert on("cuda", gradient_checkpointing=True)

@@ -15,7 +15,7 @@ from fastgrpo.integrations import packing
 from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, plan_packing
 from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
 from torch.nn.attention.flex_attention import BlockMask
-from tests.tiny_models import tiny_model
+from tests.tiny_models import tiny_model, trainer_rule
 
 PROMPT_COLUMNS, COMPLETION_COLUMNS = 7, 9
 # (prompt length, completion length) per row: groups of identical prompts (rows 0-2, 3-4, 6-7), very different
@@ -275,13 +275,10 @@ def test_attention_follows_the_mask_not_a_setting_around_the_call(own):
 
 
 def test_trainer_packs_by_default_on_cuda_only(tmp_path):
-    from types import SimpleNamespace
-
     import fastgrpo.integrations.trl as F
 
     def on(device: str, **config) -> bool:
-        args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
-        return F.GRPOTrainer._packing_on(SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device))))
+        return trainer_rule("_packing_on", tmp_path, device, **config)
 
     assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_packing == "auto"
     assert on("cuda") and not on("cpu")

@@ -97,3 +97,14 @@ def tiny_tokenizer(texts: list[str], vocab: int, bpe_vocab: int = 300):
 
 __all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_grads_close", "eager_then_compiled",
            "eager_then_compiled_model", "assert_compiled_matches_eager", "tiny_tokenizer"]
+
+
+def trainer_rule(rule: str, tmp_path, device: str, **config) -> bool:
+    """What GRPOTrainer's `rule` (a method such as `_packing_on`) decides for a GRPOConfig built from `config`,
+    when the trainer runs on `device`; no trainer is built."""
+    from types import SimpleNamespace
+
+    import fastgrpo.integrations.trl as F
+
+    args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
+    return getattr(F.GRPOTrainer, rule)(SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device))))

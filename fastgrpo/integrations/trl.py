@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import torch
 import trl
 import trl.trainer
+from accelerate.utils import is_peft_model
 from torch._dynamo.utils import counters
 from transformers import TrainerCallback
-from accelerate.utils import is_peft_model
 from trl.extras.profiling import profiling_context
 from trl.trainer import grpo_trainer as trl_grpo_trainer
 from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig

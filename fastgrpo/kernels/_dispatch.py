@@ -5,6 +5,7 @@ with the same save/recompute contract. Tests run the Triton kernels on CPU tenso
 through Triton's interpreter inside `triton_on_cpu()`.
 """
 import contextlib
+import functools
 import os
 
 import torch
@@ -31,9 +32,14 @@ def launch_like_cuda(t: torch.Tensor) -> bool:
 def multiprocessor_count(device: torch.device) -> int:
     """SMs of a CUDA device; RECORDING_SMS inside `cuda_launch_configs()`; 1 for the interpreter."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(index).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return RECORDING_SMS if _cuda_launch_configs else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    # Asked on every backward launch of several ops: read the device's properties once.
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @contextlib.contextmanager
