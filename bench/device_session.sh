@@ -38,7 +38,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 ) 9>/tmp/site.lock
 OURS="PYTHONPATH=/tmp/site_t:/tmp/site:$PWD"
 PEERS="PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache HF_HOME=/tmp/hf_home"
-STEP_ARGS="--warmup 1 --repeat 2"
+STEP_ARGS=${STEP_ARGS:-"--warmup 1 --repeat 2"}
+COMPLETIONS=${COMPLETIONS:-1024,4096,16384}  # of the fastgrpo, actmul and mlp_op steps
 # The single-GPU tests see one GPU (with two visible, a plain Trainer would use nn.DataParallel, which GRPOTrainer
 # refuses); tests_distributed and scaling see them all.
 ONE_GPU="CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}"
@@ -55,7 +56,7 @@ step() {  # name, cap seconds, environment, command...
 run_step() {
   case $1 in
     tests) step tests 200 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
-    fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096,16384 $STEP_ARGS ;;
+    fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 16384 $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
@@ -79,7 +80,8 @@ run_step() {
         step scaling_1gpu 150 "$OURS OUT=$OUT" torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8
       step scaling_2gpu 170 "$OURS OUT=$OUT" torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8 --baseline-json "$OUT/grpo_scaling.json" ;;
     tests_distributed) step tests_distributed 300 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 290 -rfE --tb=short tests/test_distributed.py ;;
-    mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions 1024,4096,16384 $STEP_ARGS ;;
+    actmul) step actmul 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_actmul --completions $COMPLETIONS $STEP_ARGS ;;
+    mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac
 }

@@ -8,9 +8,13 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   inductor  the same, decoder layers compiled by inductor (one region per layer)
   liger     Liger rope/rms_norm/swiglu + LigerFusedLinearGRPOLoss on hidden states
   fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
-            (backend option absorb_mlp_projections=False: the gated MLP keeps gate and up, as the TRL
-            integration does under gradient checkpointing; on CUDA the checkpointed layer inputs are
-            offloaded to host memory, the integration's default there)
+            (backend option save_mlp_projections=True: the gated-MLP op, down projection included,
+            keeps the gate and up projections, as the TRL integration does under gradient
+            checkpointing; on CUDA the checkpointed layer inputs are offloaded to host memory, the
+            integration's default there)
+  fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
+            (absorb_mlp_projections=False: autograd keeps gate, up and the product; the
+            integration's form before save_mlp_projections)
   fastgrpo_mlp_op  the same with the gated-MLP op recomputing the projections (its recompute is
             paid twice under checkpointing: less memory, more time)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
@@ -43,11 +47,12 @@ import torch
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 DYNAMIC = True  # one compile serves every completion length
 # fastgrpo variants: backend options of each.
-# Checkpointing is on in every system here, so fastgrpo keeps the MLP's gate and up (what the TRL integration
-# does then); fastgrpo_mlp_op measures the alternative, the gated-MLP op recomputing them.
-_CHECKPOINTED = {"absorb_mlp_projections": False}
+# Checkpointing is on in every system here, so fastgrpo's gated-MLP op keeps the gate and up projections
+# (what the TRL integration does then); fastgrpo_actmul and fastgrpo_mlp_op measure the alternatives.
+_CHECKPOINTED = {"save_mlp_projections": True}
 FASTGRPO_OPTIONS = {
     "fastgrpo": _CHECKPOINTED,
+    "fastgrpo_actmul": {"absorb_mlp_projections": False},
     "fastgrpo_mlp_op": None,
     "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob"]},
     "fastgrpo_packed": _CHECKPOINTED,

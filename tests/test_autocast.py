@@ -67,7 +67,7 @@ def test_adapters_enter_the_fused_mlp_in_the_autocast_dtype():
     assert report["patterns"]["gated_mlp"]["sites"][0]["form"].startswith("gated_mlp (LoRA")
     (op,) = [n for n in seen[0].graph.nodes if n.target is torch.ops.fastgrpo.gated_mlp.default]
     tensors = [a for a in op.args if isinstance(a, torch.fx.Node)]
-    assert len(tensors) == 7  # x, both weights, both LoRA pairs
+    assert len(tensors) == 10  # x, gate and up weights and LoRA pairs, the down weight and its LoRA pair
     assert {_dtype(a) for a in tensors} == {torch.bfloat16}
     assert op.args[0].op == "placeholder"  # x itself: the fp32 round trip PEFT writes is collapsed
 

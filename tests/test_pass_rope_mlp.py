@@ -32,8 +32,9 @@ def test_rope_and_mlp_matched_on_every_layer(arch, lora):
     rope, mlp = _records("rope"), _records("gated_mlp")
     assert sum(r["matched"] for r in rope) == layers
     assert sum(r["matched"] for r in mlp) == layers
-    # Every MLP absorbed its projections (no act_mul fallback) on these architectures.
-    assert all(s["form"].startswith("gated_mlp") for r in mlp for s in r["sites"])
+    # Every MLP absorbed its projections, the down projection (and its LoRA) included, on these architectures
+    # (Gemma2/3 and OLMo2 feed the MLP's output to a post-norm, whose pass must not take the adapter's add).
+    assert all(s["form"].startswith("gated_mlp") and "with down projection" in s["form"] for r in mlp for s in r["sites"])
     assert not any(r["near_misses"] for r in rope + mlp)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert_grads_close(expected_grads, actual_grads, rel=1e-4)
@@ -149,6 +150,31 @@ def test_unabsorbable_projections_fall_back_to_act_mul_and_say_why():
     torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-5)
 
 
+class _DownReadTwice(torch.nn.Module):
+    """Bias-free gate and up, but the product is read by a biased down projection and by a second branch:
+    the op takes gate/up and stops before the down projection, and the report says why."""
+
+    def __init__(self, down_bias: bool):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(32, 48, bias=False)
+        self.down = torch.nn.Linear(48, 32, bias=down_bias)
+        self.down_bias = down_bias
+
+    def forward(self, x):
+        h = F.silu(self.gate(x)) * self.up(x)
+        return self.down(h) if self.down_bias else self.down(h) + h[..., :32]
+
+
+@pytest.mark.parametrize("down_bias", [True, False], ids=["biased_down", "product_read_twice"])
+def test_down_projection_left_out_when_it_cannot_be_absorbed(down_bias):
+    expected, expected_grad, actual, actual_grad = eager_then_compiled(
+        _DownReadTwice(down_bias), torch.randn(3, 7, 32, requires_grad=True))
+    (site,) = _records("gated_mlp")[0]["sites"]
+    assert site["form"].startswith("gated_mlp (") and "down projection not absorbed" in site["form"]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
 def test_exact_gelu_is_a_reported_near_miss():
     def mlp(x, wg, wu):
         return F.gelu(F.linear(x, wg)) * F.linear(x, wu)
@@ -188,11 +214,37 @@ def test_decoder_layers_keep_no_mlp_intermediate_and_save_less_than_inductor():
     intermediate, row = tokens * inter * 4, tokens * hidden * 4
     print(f"saved for backward: fastgrpo {nbytes['fastgrpo']} vs inductor {nbytes['inductor']} bytes "
           f"(ratio {nbytes['fastgrpo'] / nbytes['inductor']:.2f})")
-    # Inductor keeps the gate and up projections; we keep neither (the MLP output, which the down
-    # projection's LoRA needs, is saved by both).
+    # Inductor keeps the gate and up projections and the product the down projection's LoRA needs; with the
+    # down projection inside the op we keep none of them.
     def intermediates(ts):
-        return sum(t.numel() == tokens * inter for t in ts)
+        return sum(not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.shape[-1] == inter
+                   and t.numel() == tokens * inter for t in ts)
 
-    assert intermediates(saved["inductor"]) - intermediates(saved["fastgrpo"]) >= 2
+    assert intermediates(saved["inductor"]) >= 3 and intermediates(saved["fastgrpo"]) == 0
     # Net of the one [tokens x hidden] norm output an opaque norm op makes inductor save instead of recompute.
     assert nbytes["inductor"] - nbytes["fastgrpo"] >= 2 * intermediate - row
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma2"])
+def test_saved_projections_keep_gate_and_up_only(arch):
+    """save_mlp_projections (what the trainer sets under checkpointing): outputs and gradients equal eager, and
+    of the MLP's [tokens x intermediate] values a layer keeps the two projections (one [tokens, 2I] buffer)
+    and nothing else, where act_mul keeps gate, up and the product - and the full-size gradients then exist too."""
+    model = tiny_model(arch, lora=True, num_hidden_layers=1, intermediate_size=96)
+    ids = torch.randint(3, VOCAB, (2, 16))
+    expected, actual, expected_grads, actual_grads = _compile_and_compare(
+        model, ids, {"inner": "aot_eager", "save_mlp_projections": True})
+    (site,) = _records("gated_mlp")[0]["sites"]
+    assert site["form"].startswith("gated_mlp (") and "saves projections; with down projection" in site["form"]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+    tokens, inter = ids.numel(), model.config.intermediate_size
+    shapes = {}
+    for name, options in (("saved", {"save_mlp_projections": True}), ("act_mul", {"absorb_mlp_projections": False})):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager", **options})
+        shapes[name] = [tuple(t.shape) for t in _saved(lambda: compiled(input_ids=ids).logits)
+                        if t.dim() and t.shape[-1] in (inter, 2 * inter) and t.numel() == tokens * t.shape[-1]]
+    assert shapes["saved"] == [(tokens, 2 * inter)]
+    assert len(shapes["act_mul"]) >= 3

@@ -350,6 +350,15 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_mini_batch=0)
 
 
+def test_checkpointed_layers_keep_the_mlp_projections(tmp_path):
+    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up instead of recomputing them a
+    second time; a user's own backend options win; without checkpointing the op recomputes."""
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_compile_options == {"save_mlp_projections": True}
+    mine = {"save_mlp_projections": False, "inner": "aot_eager"}
+    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_compile_options=mine).fastgrpo_compile_options == mine
+    assert not F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False).fastgrpo_compile_options
+
+
 def test_auto_find_batch_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="auto_find_batch_size=False"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, auto_find_batch_size=True)

@@ -224,8 +224,10 @@ class GRPOConfig(TRLGRPOConfig):
         if isinstance(self.fastgrpo_compile_options, str):
             self.fastgrpo_compile_options = json.loads(self.fastgrpo_compile_options)
         if self.gradient_checkpointing:
-            # Checkpointing re-runs each layer's forward: the gated-MLP op's own recompute would be paid twice.
-            self.fastgrpo_compile_options = {"absorb_mlp_projections": False, **(self.fastgrpo_compile_options or {})}
+            # Checkpointing re-runs each layer's forward: the gated-MLP op's own recompute would be paid twice, so
+            # the op keeps the gate/up projections instead (the rest of the MLP's intermediates still
+            # exist only a chunk at a time).
+            self.fastgrpo_compile_options = {"save_mlp_projections": True, **(self.fastgrpo_compile_options or {})}
         if isinstance(self.fastgrpo_vllm_kwargs, str):
             self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
         if self.use_vllm and (error := vllm_import_error()) is not None:

@@ -1,7 +1,9 @@
-"""Gated MLP (SwiGLU / GeGLU) up to the down projection, saving only x for backward.
+"""Gated MLP (SwiGLU / GeGLU), with or without its down projection, saving only x for backward
+(or x and the gate and up projections).
 
     torch.ops.fastgrpo.gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
-                                 lora_scale, activation) -> h
+                                 lora_scale, activation, w_down, down_lora_a, down_lora_b,
+                                 down_lora_scale, save_projections) -> (out, saved_projections)
     torch.ops.fastgrpo.act_mul(gate, up, activation) -> h
 
 gated_mlp matches HF + PEFT (vanilla LoRA, no dropout):
@@ -9,29 +11,37 @@ gated_mlp matches HF + PEFT (vanilla LoRA, no dropout):
     g = (g + (x.to(A.dtype) @ A.T @ B.T) * lora_scale).to(x.dtype)     if the gate has LoRA
     u likewise with w_up and the up factors
     h = act(g) * u                                        (fp32 maths, rounded once to x.dtype)
+    out = h, or with w_down: h @ w_down.T [+ (h.to(A.dtype) @ A.T @ B.T) * down_lora_scale], to x.dtype
 x [..., H]; w_gate, w_up [I, H] (row slices of a fused [2I, H] gate_up weight are recognised
-and multiplied as one matrix); LoRA A [r, H], B [I, r] in PEFT's layout, often fp32 beside a
-bf16 base; activation "silu" or "gelu_tanh" (Gemma's gelu_pytorch_tanh).
+and multiplied as one matrix); w_down [H_out, I]; LoRA A [r, in], B [out, r] in PEFT's layout,
+often fp32 beside a bf16 base; activation "silu" or "gelu_tanh" (Gemma's gelu_pytorch_tanh).
 LoRA dropout is not supported (dropout on x would have to be saved or replayed): the FX pass
 leaves such sites unfused.
 
 Backward saves only x (weights and LoRA factors are kept by reference and cost no memory),
-recomputes g and u with cuBLAS, and gets dg, du from one Triton kernel that also recomputes the
-LoRA terms and accumulates dL/d(x A^T) on the fly; no [tokens x intermediate] tensor outlives
-the forward. Weight gradients are produced only for inputs that require them.
+recomputes g and u (LoRA terms added in place by cuBLAS), and gets dg, du from one Triton kernel.
+With save_projections the forward keeps g and u ([N, 2I], LoRA included, the op's second output,
+empty otherwise) and backward reads them instead of recomputing them: the form for
+gradient-checkpointed layers, whose forward runs twice already.
+With w_down, h is recomputed per chunk in backward (for the down weight and LoRA gradients), so
+neither h nor dh is ever full size. Weight gradients are produced only for inputs that require them.
 
 Forward and backward walk the rows of x in chunks (rows_per_chunk(): a chunk's g/u buffer is
-about 256 MiB), so apart from h and dh no [tokens x intermediate] temporary exists at any time:
-the working set stays fixed as the context grows. Each chunk writes its rows of h or dx; weight
-and LoRA gradients are summed over chunks in fp32 accumulators, in chunk order (deterministic,
-and independent of the chunk size up to fp32 summation order), and rounded once at the end.
+about 256 MiB), so apart from the output, the saved projections and the incoming gradient no
+[tokens x intermediate] temporary exists at any time: the working set stays fixed as the
+context grows. Each chunk writes its rows of out or dx; weight and LoRA gradients are summed
+over chunks in fp32 accumulators, in chunk order (deterministic, and independent of the chunk
+size up to fp32 summation order), and rounded once at the end.
 
 act_mul is the fallback when the matmuls cannot be taken over: h = act(gate) * up, saving gate
 and up and recomputing the activation in backward (as Liger does).
 
-Matmuls: cuBLAS (torch.mm). Triton: the act*mul forward, its backward (dg, du and the LoRA
-x-side gradient from dh, g, u), and the LoRA B gradient dB = scale * dg^T (x A^T).
+Matmuls, the LoRA terms and every LoRA gradient: cuBLAS (torch.mm / addmm_, fp32 accumulators).
+Triton: act(g) * u and its backward (dg, du from dh, g, u), the memory-bound part. (LoRA terms
+computed inside those kernels made them 4-10x slower than their memory traffic on the H200.)
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -63,237 +73,73 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _add_lora(base, xa_ptr, xa_s0, b_ptr, b_s0, b_s1, rank, scale, offs_m, offs_n, m_ok, n_ok,
-              BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """PEFT's (base + (xa @ B^T) * scale).to(base dtype), with the adapter-dtype roundings PEFT does."""
-    r = tl.arange(0, BLOCK_R)
-    xa = tl.load(xa_ptr + offs_m[:, None] * xa_s0 + r[None, :], mask=m_ok[:, None] & (r[None, :] < rank), other=0.0)
-    bt = tl.load(b_ptr + r[:, None] * b_s1 + offs_n[None, :] * b_s0, mask=(r[:, None] < rank) & n_ok[None, :], other=0.0)
-    lora_dtype = b_ptr.dtype.element_ty
-    lora = tl.dot(xa.to(tl.float32), bt.to(tl.float32), input_precision=DOT_PRECISION)
-    lora = lora.to(lora_dtype).to(tl.float32)
-    lora = (lora * scale).to(lora_dtype).to(tl.float32)
-    return base + lora
-
-
-@triton.jit
 def _act_mul_fwd_kernel(
-    g_ptr, u_ptr, h_ptr, xag_ptr, bg_ptr, xau_ptr, bu_ptr,
-    n_rows, n_cols, rank_g, rank_u, scale,
-    g_s0, u_s0, h_s0, xag_s0, bg_s0, bg_s1, xau_s0, bu_s0, bu_s1,
-    ACT: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    g_ptr, u_ptr, h_ptr, n_rows, n_cols, g_s0, u_s0, h_s0,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < n_rows
-    n_ok = offs_n < n_cols
-    mask = m_ok[:, None] & n_ok[None, :]
+    mask = (offs_m < n_rows)[:, None] & (offs_n < n_cols)[None, :]
     g = tl.load(g_ptr + offs_m[:, None] * g_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs_m[:, None] * u_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if LORA_G:
-        g = _add_lora(g, xag_ptr, xag_s0, bg_ptr, bg_s0, bg_s1, rank_g, scale, offs_m, offs_n, m_ok, n_ok,
-                      BLOCK_RG, DOT_PRECISION)
-        g = g.to(g_ptr.dtype.element_ty).to(tl.float32)
-    if LORA_U:
-        u = _add_lora(u, xau_ptr, xau_s0, bu_ptr, bu_s0, bu_s1, rank_u, scale, offs_m, offs_n, m_ok, n_ok,
-                      BLOCK_RU, DOT_PRECISION)
-        u = u.to(u_ptr.dtype.element_ty).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
     tl.store(h_ptr + offs_m[:, None] * h_s0 + offs_n[None, :], (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _act_mul_bwd_kernel(
-    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, xag_ptr, bg_ptr, xau_ptr, bu_ptr, dxag_ptr, dxau_ptr,
-    n_rows, n_cols, cols_per_split, rank_g, rank_u, scale,
-    dh_s0, g_s0, u_s0, dg_s0, du_s0, xag_s0, bg_s0, bg_s1, xau_s0, bu_s0, bu_s1,
-    ACT: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
-    DXA_G: tl.constexpr, DXA_U: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_rows, n_cols, dh_s0, g_s0, u_s0, dg_s0, du_s0,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Rows of one block, columns [split * cols_per_split, ...) walked in BLOCK_N chunks, so the
-    # LoRA x-side gradient (dg @ B_g) sums over those columns in registers; the few column
-    # splits are added on the host. dg/du may overwrite g/u: each element is read before it
-    # is written by the same program.
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_ok = offs_m < n_rows
-    col_start = split * cols_per_split
-    col_end = tl.minimum(col_start + cols_per_split, n_cols)
-    rg = tl.arange(0, BLOCK_RG)
-    ru = tl.arange(0, BLOCK_RU)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_RG), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_RU), dtype=tl.float32)
-    for n0 in range(col_start, col_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < col_end
-        mask = m_ok[:, None] & n_ok[None, :]
-        dh = tl.load(dh_ptr + offs_m[:, None] * dh_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs_m[:, None] * g_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs_m[:, None] * u_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LORA_G:
-            g = _add_lora(g, xag_ptr, xag_s0, bg_ptr, bg_s0, bg_s1, rank_g, scale, offs_m, offs_n, m_ok, n_ok,
-                          BLOCK_RG, DOT_PRECISION)
-            g = g.to(g_ptr.dtype.element_ty).to(tl.float32)
-        if LORA_U:
-            u = _add_lora(u, xau_ptr, xau_s0, bu_ptr, bu_s0, bu_s1, rank_u, scale, offs_m, offs_n, m_ok, n_ok,
-                          BLOCK_RU, DOT_PRECISION)
-            u = u.to(u_ptr.dtype.element_ty).to(tl.float32)
-        a, da = _act_and_grad(g, ACT)
-        dg = (dh * u * da).to(dg_ptr.dtype.element_ty)
-        du = (dh * a).to(du_ptr.dtype.element_ty)
-        tl.store(dg_ptr + offs_m[:, None] * dg_s0 + offs_n[None, :], dg, mask=mask)
-        tl.store(du_ptr + offs_m[:, None] * du_s0 + offs_n[None, :], du, mask=mask)
-        if DXA_G:
-            b = tl.load(bg_ptr + offs_n[:, None] * bg_s0 + rg[None, :] * bg_s1,
-                        mask=n_ok[:, None] & (rg[None, :] < rank_g), other=0.0)
-            acc_g += tl.dot(dg.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
-        if DXA_U:
-            b = tl.load(bu_ptr + offs_n[:, None] * bu_s0 + ru[None, :] * bu_s1,
-                        mask=n_ok[:, None] & (ru[None, :] < rank_u), other=0.0)
-            acc_u += tl.dot(du.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
-    if DXA_G:
-        out = dxag_ptr + (split * n_rows + offs_m[:, None]) * rank_g + rg[None, :]
-        tl.store(out, acc_g * scale, mask=m_ok[:, None] & (rg[None, :] < rank_g))
-    if DXA_U:
-        out = dxau_ptr + (split * n_rows + offs_m[:, None]) * rank_u + ru[None, :]
-        tl.store(out, acc_u * scale, mask=m_ok[:, None] & (ru[None, :] < rank_u))
-
-
-@triton.jit
-def _lora_b_grad_kernel(
-    dg_ptr, xa_ptr, part_ptr, n_rows, n_cols, rows_per_split, rank, scale,
-    dg_s0, xa_s0,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # part[split, n, :] = scale * sum over this split's rows m of dg[m, n] * xa[m, :]
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    n_ok = offs_n < n_cols
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
-    row_start = split * rows_per_split
-    row_end = tl.minimum(row_start + rows_per_split, n_rows)
-    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
-        offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        m_ok = offs_m < row_end
-        dg = tl.load(dg_ptr + offs_m[:, None] * dg_s0 + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        xa = tl.load(xa_ptr + offs_m[:, None] * xa_s0 + r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += tl.dot(tl.trans(dg.to(tl.float32)), xa.to(tl.float32), input_precision=DOT_PRECISION)
-    out = part_ptr + (split * n_cols + offs_n[:, None]) * rank + r[None, :]
-    tl.store(out, acc * scale, mask=n_ok[:, None] & r_ok[None, :])
+    # dg/du may overwrite g/u: each element is read before it is written by the same program.
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < n_rows)[:, None] & (offs_n < n_cols)[None, :]
+    dh = tl.load(dh_ptr + offs_m[:, None] * dh_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs_m[:, None] * g_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs_m[:, None] * u_s0 + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACT)
+    tl.store(dg_ptr + offs_m[:, None] * dg_s0 + offs_n[None, :], (dh * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + offs_m[:, None] * du_s0 + offs_n[None, :], (dh * a).to(du_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host side. "lora" below is None or a pair (xa [N, r] = x.to(A.dtype) @ A^T, B [I, r]).
 
 
-def _dot_precision(t: torch.Tensor) -> str:
-    # The in-kernel LoRA products stand in for PEFT's fp32 matmuls: 3-pass TF32 (about fp32
-    # accuracy) on GPUs, plain fp32 in the interpreter.
-    return "tf32x3" if _dispatch.launch_like_cuda(t) else "ieee"
-
-
-def _block_r(lora) -> int:
-    return max(16, triton.next_power_of_2(lora[1].shape[1])) if lora is not None else 16
-
-
-def _lora_args(lora, like):
-    if lora is None:
-        return like, like, 0, 0, 0, 0  # never read: the LORA_* flag is off
-    xa, b = lora
-    return xa, b, b.shape[1], xa.stride(0), b.stride(0), b.stride(1)
-
-
 def _act_mul_blocks(g: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the act_mul kernels. On CUDA, 64 x 128 tiles of 2-byte g/u; fp32 tiles
-    half as wide, or the backward's pipelined loads of dh, g and u (3 stages) need 304 KB of shared memory
-    (an H200 has 227 KB per block)."""
+    """(BLOCK_M, BLOCK_N, num_warps) of the act_mul kernels. On CUDA, 64 x 128 tiles of 2-byte g/u, fp32
+    tiles half as wide (shared memory for the backward's loads of dh, g and u)."""
     if _dispatch.launch_like_cuda(g):
         return 64, (128 if g.element_size() <= 2 else 64), 8
     return min(max(triton.next_power_of_2(g.shape[0]), 16), 64), 128, 4
 
 
-def _act_mul_fwd_triton(g, u, h, lora_g, lora_u, scale, act):
+def _act_mul_grid(g, block_m, block_n):
+    return triton.cdiv(g.shape[0], block_m), triton.cdiv(g.shape[1], block_n)
+
+
+def _act_mul_fwd_triton(g, u, h, act):
     """Writes act(g) * u into h ([N, I], unit column stride; may be a row slice of a larger h)."""
-    n_rows, n_cols = g.shape
-    if n_rows == 0:
+    if g.shape[0] == 0:
         return
     block_m, block_n, num_warps = _act_mul_blocks(g)
-    xag, bg, rank_g, xag_s0, bg_s0, bg_s1 = _lora_args(lora_g, g)
-    xau, bu, rank_u, xau_s0, bu_s0, bu_s1 = _lora_args(lora_u, g)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _act_mul_fwd_kernel[grid](
-        g, u, h, xag, bg, xau, bu,
-        n_rows, n_cols, rank_g, rank_u, scale,
-        g.stride(0), u.stride(0), h.stride(0), xag_s0, bg_s0, bg_s1, xau_s0, bu_s0, bu_s1,
-        ACT=_ACTIVATIONS.index(act), LORA_G=lora_g is not None, LORA_U=lora_u is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_RG=_block_r(lora_g), BLOCK_RU=_block_r(lora_u),
-        DOT_PRECISION=_dot_precision(g), num_warps=num_warps,
+    _act_mul_fwd_kernel[_act_mul_grid(g, block_m, block_n)](
+        g, u, h, g.shape[0], g.shape[1], g.stride(0), u.stride(0), h.stride(0),
+        ACT=_ACTIVATIONS.index(act), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 
-def _act_mul_bwd_triton(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g, need_dxa_u):
-    """Writes dg, du (may alias g, u); returns dL/d(xa) per LoRA factor (fp32 [N, r]) or None."""
-    n_rows, n_cols = g.shape
-    if n_rows == 0:
-        return (torch.zeros(0, lora_g[1].shape[1], device=g.device) if need_dxa_g else None,
-                torch.zeros(0, lora_u[1].shape[1], device=g.device) if need_dxa_u else None)
+def _act_mul_bwd_triton(dh, g, u, dg, du, act):
+    """Writes dg, du (may alias g, u)."""
+    if g.shape[0] == 0:
+        return
     block_m, block_n, num_warps = _act_mul_blocks(g)
-    n_row_blocks = triton.cdiv(n_rows, block_m)
-    n_col_blocks = triton.cdiv(n_cols, block_n)
-    if need_dxa_g or need_dxa_u:
-        # Column splits only to fill the GPU; each adds one fp32 [N, r] partial.
-        target = 4 * _dispatch.multiprocessor_count(g.device) if _dispatch.launch_like_cuda(g) else 1
-        n_splits = min(n_col_blocks, triton.cdiv(target, n_row_blocks))
-    else:
-        n_splits = n_col_blocks
-    cols_per_split = triton.cdiv(n_col_blocks, n_splits) * block_n
-    n_splits = triton.cdiv(n_cols, cols_per_split)
-    xag, bg, rank_g, xag_s0, bg_s0, bg_s1 = _lora_args(lora_g, g)
-    xau, bu, rank_u, xau_s0, bu_s0, bu_s1 = _lora_args(lora_u, g)
-    dxag = torch.empty(n_splits, n_rows, rank_g, dtype=torch.float32, device=g.device) if need_dxa_g else g
-    dxau = torch.empty(n_splits, n_rows, rank_u, dtype=torch.float32, device=g.device) if need_dxa_u else g
-    _act_mul_bwd_kernel[(n_row_blocks, n_splits)](
-        dh, g, u, dg, du, xag, bg, xau, bu, dxag, dxau,
-        n_rows, n_cols, cols_per_split, rank_g, rank_u, scale,
+    _act_mul_bwd_kernel[_act_mul_grid(g, block_m, block_n)](
+        dh, g, u, dg, du, g.shape[0], g.shape[1],
         dh.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
-        xag_s0, bg_s0, bg_s1, xau_s0, bu_s0, bu_s1,
-        ACT=_ACTIVATIONS.index(act), LORA_G=lora_g is not None, LORA_U=lora_u is not None,
-        DXA_G=need_dxa_g, DXA_U=need_dxa_u,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_RG=_block_r(lora_g), BLOCK_RU=_block_r(lora_u),
-        DOT_PRECISION=_dot_precision(g), num_warps=num_warps,
+        ACT=_ACTIVATIONS.index(act), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return (dxag.sum(0) if need_dxa_g else None, dxau.sum(0) if need_dxa_u else None)
-
-
-def _lora_b_grad_triton(dg, xa, scale):
-    """scale * dg^T @ xa in fp32: [I, r], from bf16/fp16/fp32 dg without an fp32 copy of it."""
-    n_rows, n_cols = dg.shape
-    rank = xa.shape[1]
-    if n_rows == 0:
-        return torch.zeros(n_cols, rank, dtype=torch.float32, device=dg.device)
-    block_r = max(16, triton.next_power_of_2(rank))
-    if _dispatch.launch_like_cuda(dg):
-        block_m, block_n, num_warps = 64, 128, 8
-        n_col_blocks = triton.cdiv(n_cols, block_n)
-        target = 4 * _dispatch.multiprocessor_count(dg.device)
-        n_splits = max(1, min(triton.cdiv(n_rows, block_m), triton.cdiv(target, n_col_blocks)))
-    else:
-        block_m, block_n, num_warps, n_splits = 64, 128, 4, 1
-    rows_per_split = triton.cdiv(triton.cdiv(n_rows, n_splits), block_m) * block_m
-    n_splits = max(1, triton.cdiv(n_rows, rows_per_split))
-    part = torch.zeros(n_splits, n_cols, rank, dtype=torch.float32, device=dg.device)
-    _lora_b_grad_kernel[(triton.cdiv(n_cols, block_n), n_splits)](
-        dg, xa, part, n_rows, n_cols, rows_per_split, rank, scale, dg.stride(0), xa.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, DOT_PRECISION=_dot_precision(dg), num_warps=num_warps,
-    )
-    return part.sum(0)
 
 
 def _act_fp32(g, act):
@@ -304,50 +150,37 @@ def _act_fp32(g, act):
     return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_COEF * g * g)
 
 
-def _add_lora_torch(base, lora, scale):
-    xa, b = lora
-    return (base + torch.mm(xa, b.t()) * scale).to(base.dtype)
-
-
-def _act_mul_fwd_torch(g, u, h, lora_g, lora_u, scale, act):
-    if lora_g is not None:
-        g = _add_lora_torch(g, lora_g, scale)
-    if lora_u is not None:
-        u = _add_lora_torch(u, lora_u, scale)
+def _act_mul_fwd_torch(g, u, h, act):
     h.copy_(_act_fp32(g.float(), act)[0] * u.float())
 
 
-def _act_mul_bwd_torch(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g, need_dxa_u):
-    if lora_g is not None:
-        g = _add_lora_torch(g, lora_g, scale)
-    if lora_u is not None:
-        u = _add_lora_torch(u, lora_u, scale)
+def _act_mul_bwd_torch(dh, g, u, dg, du, act):
     a, da = _act_fp32(g.float(), act)
     dh = dh.float()
-    dg.copy_(dh * u.float() * da)
+    dg_value = dh * u.float() * da  # formed before du (or dg) may overwrite u (or g)
     du.copy_(dh * a)
-    dxag = torch.mm(dg.float(), lora_g[1].float()) * scale if need_dxa_g else None
-    dxau = torch.mm(du.float(), lora_u[1].float()) * scale if need_dxa_u else None
-    return dxag, dxau
+    dg.copy_(dg_value)
 
 
-def _lora_b_grad_torch(dg, xa, scale):
-    return torch.mm(dg.float().t(), xa.float()) * scale
-
-
-def _act_mul_fwd(g, u, h, lora_g, lora_u, scale, act):
+def _act_mul_fwd(g, u, h, act):
     fn = _act_mul_fwd_triton if _dispatch.use_triton(g) else _act_mul_fwd_torch
-    fn(g, u, h, lora_g, lora_u, scale, act)
+    fn(g, u, h, act)
 
 
-def _act_mul_bwd(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g=False, need_dxa_u=False):
+def _act_mul_bwd(dh, g, u, dg, du, act):
     fn = _act_mul_bwd_triton if _dispatch.use_triton(g) else _act_mul_bwd_torch
-    return fn(dh, g, u, dg, du, lora_g, lora_u, scale, act, need_dxa_g, need_dxa_u)
+    fn(dh, g, u, dg, du, act)
 
 
-def _lora_b_grad(dg, xa, scale):
-    fn = _lora_b_grad_triton if _dispatch.use_triton(dg) else _lora_b_grad_torch
-    return fn(dg, xa, scale)
+def _add_lora_(base, lora, scale):
+    """base += (xa @ B^T) * scale in place, summed in fp32 and rounded once to base's dtype: PEFT's
+    `(base + lora_B(xa) * scale).to(base.dtype)`, by cuBLAS (whose epilogue adds in place when the
+    adapters share base's dtype, as under autocast)."""
+    xa, b = lora
+    if xa.dtype == base.dtype:
+        base.addmm_(xa, b.t(), alpha=scale)
+    else:
+        base.add_(torch.mm(xa, b.t()), alpha=scale)
 
 
 def _rows_unit_stride(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -370,8 +203,7 @@ def _act_mul_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     _check_act_mul(gate, up, activation)
     width = gate.shape[-1]
     h = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
-    _act_mul_fwd(_rows_unit_stride(gate, width), _rows_unit_stride(up, width), h.view(-1, width),
-                 None, None, 1.0, activation)
+    _act_mul_fwd(_rows_unit_stride(gate, width), _rows_unit_stride(up, width), h.view(-1, width), activation)
     return h
 
 
@@ -388,7 +220,7 @@ def _act_mul_backward_op(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     _act_mul_bwd(_rows_unit_stride(dh, width), _rows_unit_stride(gate, width), _rows_unit_stride(up, width),
-                 d_gate.view(-1, width), d_up.view(-1, width), None, None, 1.0, activation)
+                 d_gate.view(-1, width), d_up.view(-1, width), activation)
     return d_gate, d_up
 
 
@@ -478,11 +310,15 @@ def _lora_inputs(x_rows, factors, a):
 
 
 # Both passes walk x in chunks of rows, so no [tokens x intermediate] temporary is larger than a
-# chunk (only h, the forward's output, and dh, the backward's input, are full size). A chunk's
-# largest temporary is its [rows, 2I] projection buffer in x's dtype (g and u; dg and du overwrite
-# it in backward); _CHUNK_BYTES caps that buffer, which keeps the working set fixed as contexts
+# chunk (full size are only the op's output and incoming gradient - h and dh when the op stops
+# before the down projection - and the saved projections). A chunk's largest temporary is its
+# [rows, 2I] projection buffer in x's dtype (g and u; dg and du overwrite it in backward, or take
+# a buffer of their own when g and u are saved ones; with the down projection, h and dh of the
+# chunk, [rows, I] each, come beside it); _CHUNK_BYTES caps that buffer, which keeps the working set fixed as contexts
 # grow (bf16: 7424 rows at I = 8960, 4608 at I = 14336). The other per-chunk temporaries are
-# [rows, H] (x cast to the adapters' dtype) or [rows, r], smaller still. At least
+# [rows, H] (x cast to the adapters' dtype) or [rows, r], smaller still - except with fp32 adapters
+# on a bf16/fp16 base outside autocast, where one projection's LoRA term (forward) or gradient
+# (backward) is an fp32 [rows, I] temporary beside the buffer. At least
 # _MIN_CHUNK_ROWS rows (whole multiples of 128, the matmul tiles) keep each cuBLAS call large
 # enough to run at full speed. The CPU torch path chunks the same way; its fp32 activation
 # temporaries make its chunks a few times larger in bytes.
@@ -517,9 +353,9 @@ def _addmm_fp32(acc, a, b):
         acc.addmm_(a.float(), b.float())
 
 
-def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation):
+def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation, w_down=None, da=None, db=None):
     _check_activation("gated_mlp", activation)
-    for t in (x, w_gate, w_up, ga, gb, ua, ub):
+    for t in (x, w_gate, w_up, ga, gb, ua, ub, w_down, da, db):
         if t is not None:
             _dispatch.check_dtype("gated_mlp", t)
             if t.device != x.device:
@@ -534,24 +370,82 @@ def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation):
     inter = w_gate.shape[0]
     if ga is not None and ua is not None and ga.dtype != ua.dtype:
         raise ValueError(f"fastgrpo::gated_mlp: gate and up LoRA factors must share a dtype, got {ga.dtype}, {ua.dtype}")
-    for name, a, b in (("gate", ga, gb), ("up", ua, ub)):
+    for name, a, b, width, out in (("gate", ga, gb, hidden, inter), ("up", ua, ub, hidden, inter),
+                                   ("down", da, db, inter, w_down.shape[0] if w_down is not None else None)):
         if (a is None) != (b is None):
             raise ValueError(f"fastgrpo::gated_mlp: {name} LoRA needs both A and B")
         if a is None:
             continue
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != hidden or b.shape != (inter, a.shape[0]) or a.dtype != b.dtype:
+        if out is None:
+            raise ValueError("fastgrpo::gated_mlp: down LoRA factors need w_down")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != width or b.shape != (out, a.shape[0]) or a.dtype != b.dtype:
             raise ValueError(
                 f"fastgrpo::gated_mlp: {name} LoRA factors A {tuple(a.shape)} {a.dtype}, B {tuple(b.shape)} {b.dtype} "
-                f"must be A [r, {hidden}] and B [{inter}, r] of one dtype"
+                f"must be A [r, {width}] and B [{out}, r] of one dtype"
             )
+    if w_down is not None and (w_down.dim() != 2 or w_down.shape[1] != inter or w_down.dtype != x.dtype):
+        raise ValueError(f"fastgrpo::gated_mlp: w_down {tuple(w_down.shape)} {w_down.dtype} must be [H_out, {inter}] "
+                         f"in x's dtype {x.dtype}")
 
 
-def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, h_rows):
-    # One chunk, in a function of its own so that its g/u buffer is freed before the next
-    # chunk's is allocated.
-    g, u, _ = _gate_up(x_rows, w_gate, w_up)
+def _out_width(w_gate, w_down):
+    return w_down.shape[0] if w_down is not None else w_gate.shape[0]
+
+
+def _saved_projections(x, w_gate, save_projections):
+    """The [N, 2I] buffer of the gate and up projections kept for backward, or an empty stand-in."""
+    shape = (math.prod(x.shape[:-1]), 2 * w_gate.shape[0]) if save_projections else (0,)
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+def _gate_up_into(x_rows, w_gate, w_up, gu_rows):
+    """Base projections written into rows of the saved [rows, 2I] buffer (LoRA terms are added in place
+    after); (g, u) views of it."""
+    fused = _fused_rows(w_gate, w_up)
+    inter = w_gate.shape[0]
+    g, u = gu_rows[:, :inter], gu_rows[:, inter:]
+    if fused is not None:
+        torch.mm(x_rows, fused.t(), out=gu_rows)
+    else:
+        torch.mm(x_rows, w_gate.t(), out=g)
+        torch.mm(x_rows, w_up.t(), out=u)
+    return g, u
+
+
+def _down_forward(h_rows, w_down, down, out_rows):
+    """out_rows = h @ w_down^T [+ PEFT LoRA (h in the adapters' dtype) @ A^T @ B^T * scale], rounded once
+    to out's dtype as PEFT's `(base + lora * scale).to(dtype)` does."""
+    torch.mm(h_rows, w_down.t(), out=out_rows)
+    if down is not None:
+        da, db, scale = down
+        _add_lora_(out_rows, (torch.mm(h_rows.to(da.dtype), da.t()), db), scale)
+
+
+def _add_loras_(g, u, lora_g, lora_u, scale):
+    """The adapters' terms added into the gate and up projections in place."""
+    if lora_g is not None:
+        _add_lora_(g, lora_g, scale)
+    if lora_u is not None:
+        _add_lora_(u, lora_u, scale)
+
+
+def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, w_down, down, out_rows, gu_rows):
+    # One chunk, in a function of its own so that its buffers are freed before the next
+    # chunk's are allocated.
+    if gu_rows is not None:
+        g, u = _gate_up_into(x_rows, w_gate, w_up, gu_rows)
+    else:
+        g, u, _ = _gate_up(x_rows, w_gate, w_up)
     _, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
-    _act_mul_fwd(g, u, h_rows, lora_g, lora_u, lora_scale, activation)
+    _add_loras_(g, u, lora_g, lora_u, lora_scale)
+    h_rows = out_rows if w_down is None else torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
+    _act_mul_fwd(g, u, h_rows, activation)
+    if w_down is not None:
+        _down_forward(h_rows, w_down, down, out_rows)
+
+
+def _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale):
+    return None if w_down is None or down_lora_a is None else (down_lora_a, down_lora_b, down_lora_scale)
 
 
 @torch.library.custom_op("fastgrpo::gated_mlp", mutates_args=())
@@ -560,94 +454,155 @@ def _gated_mlp_op(
     gate_lora_a: torch.Tensor | None, gate_lora_b: torch.Tensor | None,
     up_lora_a: torch.Tensor | None, up_lora_b: torch.Tensor | None,
     lora_scale: float, activation: str,
-) -> torch.Tensor:
+    w_down: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
+    down_lora_b: torch.Tensor | None = None, down_lora_scale: float = 1.0, save_projections: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, saved projections): out is h, or down(h) when w_down is given; the second output holds
+    the gate/up projections (LoRA included) for backward when save_projections, else it is empty."""
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
-    _check_gated_mlp(x, w_gate, w_up, *factors, activation)
+    _check_gated_mlp(x, w_gate, w_up, *factors, activation, w_down, down_lora_a, down_lora_b)
     inter = w_gate.shape[0]
     x2d = x.reshape(-1, x.shape[-1])
-    h = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
-    h2d = h.view(-1, inter)
+    width = _out_width(w_gate, w_down)
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+    out2d = out.view(-1, width)
+    gu = _saved_projections(x, w_gate, save_projections)
     a = _lora_a(factors)
+    down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
-        _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, activation, h2d[start:end])
-    return h
+        _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, activation, w_down, down,
+                      out2d[start:end], gu[start:end] if save_projections else None)
+    return out, gu
 
 
 @_gated_mlp_op.register_fake
-def _(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation):
-    _check_gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, activation)
-    return torch.empty(*x.shape[:-1], w_gate.shape[0], dtype=x.dtype, device=x.device)
+def _(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation,
+      w_down=None, down_lora_a=None, down_lora_b=None, down_lora_scale=1.0, save_projections=False):
+    _check_gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, activation,
+                     w_down, down_lora_a, down_lora_b)
+    out = torch.empty(*x.shape[:-1], _out_width(w_gate, w_down), dtype=x.dtype, device=x.device)
+    return out, _saved_projections(x, w_gate, save_projections)
+
+
+# Inputs of gated_mlp that can have gradients, in the order gated_mlp_backward returns them.
+_GRAD_INPUTS = ("x", "w_gate", "w_up", "gate_a", "gate_b", "up_a", "up_b", "w_down", "down_a", "down_b")
 
 
 @torch.library.custom_op("fastgrpo::gated_mlp_backward", mutates_args=())
 def _gated_mlp_backward_op(
-    dh: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+    d_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     gate_lora_a: torch.Tensor | None, gate_lora_b: torch.Tensor | None,
     up_lora_a: torch.Tensor | None, up_lora_b: torch.Tensor | None,
     lora_scale: float, activation: str, needs: list[bool],
+    w_down: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
+    down_lora_b: torch.Tensor | None = None, down_lora_scale: float = 1.0, saved_projections: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Gradients of (x, w_gate, w_up, gate A, gate B, up A, up B), those `needs` selects, in that
-    order. Per chunk of rows: recompute g and u, overwrite them with dg and du, write the chunk's
-    rows of dx, add its share of the weight and LoRA gradients to fp32 accumulators."""
-    need_dx, need_dwg, need_dwu, need_dga, need_dgb, need_dua, need_dub = needs
+    """Gradients of the inputs named in _GRAD_INPUTS, those `needs` selects, in that order. Per chunk
+    of rows: take g and u from saved_projections or recompute them, go back through the down
+    projection (recomputing h) when there is one, form dg and du, write the chunk's rows of dx, add
+    its share of the weight and LoRA gradients to fp32 accumulators."""
+    need = dict(zip(_GRAD_INPUTS, needs, strict=True))
     ga, gb, ua, ub = factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     hidden, inter = x.shape[-1], w_gate.shape[0]
     x2d = x.reshape(-1, hidden)
-    dh2d = dh.reshape(-1, inter)
+    d_out2d = d_out.reshape(-1, _out_width(w_gate, w_down))
     fused = _fused_rows(w_gate, w_up)
     a = _lora_a(factors)
+    down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
+    saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
     # both LoRA x-side gradients are formed whenever either A or x needs them.
-    need_da = need_dga or need_dua
-    need_dxa_g = ga is not None and (need_dx or need_da)
-    need_dxa_u = ua is not None and (need_dx or need_da)
+    need_da = need["gate_a"] or need["up_a"]
+    need_dxa_g = ga is not None and (need["x"] or need_da)
+    need_dxa_u = ua is not None and (need["x"] or need_da)
 
     def fp32_zeros(like, needed):
         return torch.zeros(like.shape, dtype=torch.float32, device=x.device) if needed else None
 
-    acc = dict(w_gate=fp32_zeros(w_gate, need_dwg), w_up=fp32_zeros(w_up, need_dwu), a=fp32_zeros(a, need_da),
-               gate_b=fp32_zeros(gb, need_dgb), up_b=fp32_zeros(ub, need_dub))
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
-    dx2d = dx.view(-1, hidden) if need_dx else None
+    acc = dict(w_gate=fp32_zeros(w_gate, need["w_gate"]), w_up=fp32_zeros(w_up, need["w_up"]),
+               a=fp32_zeros(a, need_da), gate_b=fp32_zeros(gb, need["gate_b"]), up_b=fp32_zeros(ub, need["up_b"]),
+               w_down=fp32_zeros(w_down, need["w_down"]), down_a=fp32_zeros(down_lora_a, need["down_a"]),
+               down_b=fp32_zeros(down_lora_b, need["down_b"]))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need["x"] else None
+    dx2d = dx.view(-1, hidden) if need["x"] else None
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
-        _backward_rows(dh2d[start:end], x2d[start:end], w_gate, w_up, fused, factors, a, lora_scale, activation,
-                       need_dxa_g, need_dxa_u, dx2d[start:end] if need_dx else None, acc)
+        _backward_rows(d_out2d[start:end], x2d[start:end], None if saved is None else saved[start:end],
+                       w_gate, w_up, fused, factors, a, lora_scale, activation, w_down, down,
+                       need_dxa_g, need_dxa_u, dx2d[start:end] if need["x"] else None, acc)
     grads = []
-    if need_dx:
+    if need["x"]:
         grads.append(dx)
-    if need_dwg:
+    if need["w_gate"]:
         grads.append(acc["w_gate"].to(w_gate.dtype))
-    if need_dwu:
+    if need["w_up"]:
         grads.append(acc["w_up"].to(w_up.dtype))
     # Returned gradients may not alias each other (copy=True: the accumulator may have A's dtype).
     # One A shared by gate and up gets its whole gradient in the gate slot (autograd adds the two
     # slots), so the two halves are not rounded separately before they are summed.
-    if need_dga:
+    if need["gate_a"]:
         d_a = acc["a"] if ga is ua or ua is None else acc["a"][: ga.shape[0]]
         grads.append(d_a.to(ga.dtype, copy=True))
-    if need_dgb:
-        grads.append(acc["gate_b"].to(gb.dtype))
-    if need_dua:
+    if need["gate_b"]:
+        grads.append((acc["gate_b"] * lora_scale).to(gb.dtype))
+    if need["up_a"]:
         d_a = torch.zeros_like(ua) if ga is ua else acc["a"] if ga is None else acc["a"][ga.shape[0]:]
         grads.append(d_a.to(ua.dtype, copy=True))
-    if need_dub:
-        grads.append(acc["up_b"].to(ub.dtype))
+    if need["up_b"]:
+        grads.append((acc["up_b"] * lora_scale).to(ub.dtype))
+    for name, like in (("w_down", w_down), ("down_a", down_lora_a), ("down_b", down_lora_b)):
+        if need[name]:
+            grads.append(acc[name].to(like.dtype))
     return grads
 
 
-def _backward_rows(dh_rows, x_rows, w_gate, w_up, fused, factors, a, lora_scale, activation, need_dxa_g, need_dxa_u,
-                   dx_rows, acc):
+def _down_backward(d_out_rows, g, u, activation, w_down, down, acc):
+    """dh for one chunk, back through the down projection (and its LoRA, as PEFT's autograd forms
+    it), adding the chunk's share of the down weight and LoRA gradients; h is recomputed from g, u."""
+    h = torch.empty(g.shape, dtype=d_out_rows.dtype, device=d_out_rows.device)
+    _act_mul_fwd(g, u, h, activation)
+    dh = torch.mm(d_out_rows, w_down)
+    if acc["w_down"] is not None:
+        _addmm_fp32(acc["w_down"], d_out_rows.t(), h)
+    if down is not None:
+        da, db, scale = down
+        h_cast = h.to(da.dtype)
+        d_lora = d_out_rows.to(db.dtype) * scale  # gradient at the output of lora_B, before * scale
+        if acc["down_b"] is not None:
+            _addmm_fp32(acc["down_b"], d_lora.t(), torch.mm(h_cast, da.t()))
+        dxa = torch.mm(d_lora, db)
+        if acc["down_a"] is not None:
+            _addmm_fp32(acc["down_a"], dxa.t(), h_cast)
+        dh.add_(torch.mm(dxa, da))
+    return dh
+
+
+def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, activation,
+                   w_down, down, need_dxa_g, need_dxa_u, dx_rows, acc):
     """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
     weight and LoRA gradient to the fp32 accumulators in `acc` (None where not needed). A
     function of its own so that the chunk's buffers are freed before the next chunk's exist."""
     ga, _, ua, _ = factors
     inter = w_gate.shape[0]
-    g, u, gu = _gate_up(x_rows, w_gate, w_up)
+    if saved_rows is None:
+        # dg, du overwrite the recomputed g, u: a chunk holds one [rows, 2I] buffer, not two.
+        g, u, gu = _gate_up(x_rows, w_gate, w_up)
+        dg, du, dgu = g, u, gu
+    else:
+        g, u = saved_rows[:, :inter], saved_rows[:, inter:]
+        dgu = torch.empty(saved_rows.shape, dtype=saved_rows.dtype, device=saved_rows.device)
+        dg, du = dgu[:, :inter], dgu[:, inter:]
+        dgu = dgu if fused is not None else None
     x_cast, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
-    # dg, du overwrite the recomputed g, u: a chunk holds one [rows, 2I] buffer, not two.
-    dxa_g, dxa_u = _act_mul_bwd(_rows_unit_stride(dh_rows, inter), g, u, g, u, lora_g, lora_u,
-                                lora_scale, activation, need_dxa_g, need_dxa_u)
-    dg, du, dgu = g, u, gu
+    if saved_rows is None:
+        _add_loras_(g, u, lora_g, lora_u, lora_scale)
+    if w_down is not None:
+        dh_rows = _down_backward(d_out_rows, g, u, activation, w_down, down, acc)
+    else:
+        dh_rows = _rows_unit_stride(d_out_rows, inter)
+    _act_mul_bwd(dh_rows, g, u, dg, du, activation)
+    del dh_rows
+    dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc["gate_b"])
+    dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc["up_b"])
     # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
     if ga is not None and ga is ua:
         dxa = dxa_g + dxa_u
@@ -670,29 +625,53 @@ def _backward_rows(dh_rows, x_rows, w_gate, w_up, fused, factors, a, lora_scale,
         _addmm_fp32(acc["w_up"], du.t(), x_rows)
     if acc["a"] is not None:
         _addmm_fp32(acc["a"], dxa.t(), x_cast)
-    if acc["gate_b"] is not None:
-        acc["gate_b"].add_(_lora_b_grad(dg, lora_g[0], lora_scale))
-    if acc["up_b"] is not None:
-        acc["up_b"].add_(_lora_b_grad(du, lora_u[0], lora_scale))
+
+
+def _lora_backward(d_proj, lora, scale, need_dxa, acc_b):
+    """For one projection's adapter, given the gradient of the projection (LoRA included): adds
+    d_proj^T xa to B's fp32 accumulator (scaled once at the end) and returns dL/d(xa) in fp32
+    (None if not needed). d_proj is taken in the adapters' dtype, as PEFT's autograd holds it."""
+    if lora is None:
+        return None
+    xa, b = lora
+    d_proj = d_proj if d_proj.dtype == b.dtype else d_proj.to(b.dtype)
+    if acc_b is not None:
+        _addmm_fp32(acc_b, d_proj.t(), xa)
+    if not need_dxa:
+        return None
+    dxa = torch.zeros(xa.shape, dtype=torch.float32, device=xa.device)
+    _addmm_fp32(dxa, d_proj, b)
+    return dxa.mul_(scale)
 
 
 @_gated_mlp_backward_op.register_fake
-def _(dh, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation, needs):
-    inputs = (x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
+def _(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation, needs,
+      w_down=None, down_lora_a=None, down_lora_b=None, down_lora_scale=1.0, saved_projections=None):
+    inputs = (x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, w_down, down_lora_a, down_lora_b)
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, need in zip(inputs, needs) if need]
 
 
 def _gated_mlp_setup_context(ctx, inputs, output):
-    x, w_gate, w_up, ga, gb, ua, ub, lora_scale, activation = inputs
-    ctx.save_for_backward(x, w_gate, w_up, ga, gb, ua, ub)
-    ctx.lora_scale, ctx.activation = lora_scale, activation
+    (x, w_gate, w_up, ga, gb, ua, ub, lora_scale, activation,
+     w_down, down_a, down_b, down_scale, save_projections) = inputs
+    ctx.save_for_backward(x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b,
+                          output[1] if save_projections else None)
+    ctx.lora_scale, ctx.activation, ctx.down_scale = lora_scale, activation, down_scale
+    ctx.mark_non_differentiable(output[1])
 
 
-def _gated_mlp_backward(ctx, dh):
-    inputs = ctx.saved_tensors
-    needs = [bool(n) and t is not None for n, t in zip(ctx.needs_input_grad[:7], inputs)]
-    grads = iter(_gated_mlp_backward_op(dh, *inputs, ctx.lora_scale, ctx.activation, needs))
-    return (*(next(grads) if need else None for need in needs), None, None)
+def _gated_mlp_backward(ctx, d_out, _d_saved_projections):
+    x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b, saved = ctx.saved_tensors
+    grad_inputs = (x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b)
+    # ctx.needs_input_grad follows gated_mlp's arguments: the 7 tensors, lora_scale, activation, then w_down, A, B
+    # (trailing arguments left at their defaults are not listed).
+    flags = (*ctx.needs_input_grad, *[False] * 14)
+    flags = (*flags[:7], *flags[9:12])
+    needs = [bool(n) and t is not None for n, t in zip(flags, grad_inputs)]
+    grads = iter(_gated_mlp_backward_op(d_out, x, w_gate, w_up, ga, gb, ua, ub, ctx.lora_scale, ctx.activation, needs,
+                                        w_down, down_a, down_b, ctx.down_scale, saved))
+    grad_of = [next(grads) if n else None for n in needs]
+    return (*grad_of[:7], None, None, *grad_of[7:], None, None)
 
 
 _gated_mlp_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)
@@ -708,13 +687,23 @@ def gated_mlp(
     up_lora_b: torch.Tensor | None = None,
     lora_scale: float = 1.0,
     activation: str = "silu",
+    w_down: torch.Tensor | None = None,
+    down_lora_a: torch.Tensor | None = None,
+    down_lora_b: torch.Tensor | None = None,
+    down_lora_scale: float = 1.0,
+    save_projections: bool = False,
 ) -> torch.Tensor:
-    """act(x @ w_gate.T [+ LoRA]) * (x @ w_up.T [+ LoRA]) -> [..., I], as HF + PEFT compute it.
+    """act(x @ w_gate.T [+ LoRA]) * (x @ w_up.T [+ LoRA]) -> [..., I], as HF + PEFT compute it,
+    and with w_down [H_out, I] (and its LoRA) the down projection of that -> [..., H_out].
 
     x [..., H]; w_gate, w_up [I, H] in x's dtype (row slices of a fused gate_up weight are fine);
-    LoRA factors in PEFT's layout, A [r, H] and B [I, r] (any float dtype, e.g. fp32 adapters on
-    a bf16 base), scaled by lora_scale (PEFT's alpha / r); no LoRA dropout. activation: "silu"
-    or "gelu_tanh". Backward keeps only x and recomputes the projections.
+    LoRA factors in PEFT's layout, A [r, in] and B [out, r] (any float dtype, e.g. fp32 adapters on
+    a bf16 base), scaled by lora_scale (PEFT's alpha / r; down_lora_scale for the down adapter);
+    no LoRA dropout. activation: "silu" or "gelu_tanh". Backward keeps x and recomputes the
+    projections, or with save_projections keeps the two projections instead (for layers that
+    gradient checkpointing already re-runs).
     """
-    return torch.ops.fastgrpo.gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
-                                        float(lora_scale), activation)
+    out, _ = torch.ops.fastgrpo.gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
+                                          float(lora_scale), activation, w_down, down_lora_a, down_lora_b,
+                                          float(down_lora_scale), save_projections)
+    return out

@@ -2,7 +2,10 @@
 
 RoPE goes before RMSNorm: where a norm follows the rotation (NanoChat, HunYuan apply q/k norms
 after RoPE), the rotation's final add would otherwise be taken for a residual add and fused
-into the norm, and the rotation lost.
+into the norm, and the rotation lost. The gated MLP goes before RMSNorm for the same reason: where
+the MLP's output feeds a post-norm (Gemma2, Gemma3, OLMo2), the add of a LoRA-wrapped down
+projection (`base(h) + lora(h)`) would be fused into the norm as a residual add, and the down
+projection could no longer be absorbed into the MLP op.
 
 Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
 sites into calls of `fastgrpo::` custom ops and records matches and near misses.
@@ -13,8 +16,8 @@ from fastgrpo.passes._record import PatternRecord
 PASSES = {
     selective_logprob.NAME: selective_logprob,
     rope.NAME: rope,
-    rms_norm.NAME: rms_norm,
     gated_mlp.NAME: gated_mlp,
+    rms_norm.NAME: rms_norm,
 }
 
 __all__ = ["PASSES", "PatternRecord"]

@@ -1,7 +1,13 @@
-"""The gated MLP - `act(gate(x)) * up(x)`, SwiGLU or GeGLU - becomes `fastgrpo::gated_mlp`,
+"""The gated MLP - `down(act(gate(x)) * up(x))`, SwiGLU or GeGLU - becomes `fastgrpo::gated_mlp`,
 which keeps only x for backward and recomputes the two [tokens x intermediate]
 projections, the activation and their product (DESIGN.md §3: the memory inductor will
-not recompute).
+not recompute). With the backend option `save_mlp_projections` (set by the TRL integration
+for checkpointed layers, whose forward is re-run anyway) it keeps the two projections
+instead and recomputes only the activation and the product.
+
+The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
+alone reads the product: then neither the product h (which the down adapter's autograd would
+save) nor its gradient exists in full, only chunk by chunk inside the op.
 
 Anchor: `act(g) * u` (either order) with act = SiLU (also written `g * sigmoid(g)`) or
 tanh-GELU; other activations (exact GELU, ReLU, squared ReLU, swish with a slope) are
@@ -12,6 +18,7 @@ Anything else (bnb 4-bit, biases, LoRA dropout, DoRA, unknown producers such as 
 matmuls) falls back to `fastgrpo::act_mul`, which saves g and u and recomputes only the
 activation; the report says which form each site got and why.
 """
+import math
 import operator
 from dataclasses import dataclass
 
@@ -22,7 +29,7 @@ from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registe
 from fastgrpo.passes._fx import (
     erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, other_operand, propagate_meta, shape,
-    site_name, strip_widening_casts,
+    site_name, strip_widening_casts, value,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -124,12 +131,60 @@ def _projection(node: fx.Node) -> _Projection:
             plain, lora = _plain_linear(base), _lora_branch(branch)
             if plain is not None and lora is not None:
                 x, lora_a, lora_b, scale, lora_nodes = lora
-                if x is not plain[0]:
+                if x is not strip_widening_casts(plain[0]):  # a same-dtype cast (Gemma's type_as) may sit between
                     raise Unabsorbable("the LoRA adapter reads another input than its base linear")
                 return _Projection(plain[0], plain[1], lora_a, lora_b, scale, (*nodes, node, base, *lora_nodes))
     if is_kind(node, "linear"):
         raise Unabsorbable("projection has a bias")
     raise Unabsorbable(f"projection produced by {_describe(node)}, not a linear")
+
+
+@dataclass
+class _Down:
+    weight: fx.Node
+    lora_a: fx.Node | None
+    lora_b: fx.Node | None
+    scale: float | fx.Node | None
+    nodes: tuple[fx.Node, ...]   # replaced, in graph order
+    output: fx.Node              # what the op's result stands for
+
+
+def _down_projection(product: fx.Node) -> _Down:
+    """The down projection when it alone reads the product: a bias-free linear, or PEFT's
+    `(base(h) + B(A(h')) * scale).to(h.dtype)` with h' h itself or a widening cast of it."""
+    users = list(product.users)
+    linears = [u for u in users if (p := _plain_linear(u)) is not None and p[0] is product]
+    if len(users) == 1 and linears:
+        weight = _plain_linear(linears[0])[1]
+        if dtype(weight) != dtype(product):
+            raise Unabsorbable(f"down projection weight {dtype(weight)} does not match the MLP's {dtype(product)}")
+        return _Down(weight, None, None, None, (linears[0],), linears[0])
+    for base in linears:  # the LoRA adapter's A may read the product directly too
+        add = next(iter(base.users)) if len(base.users) == 1 else None
+        lora = _lora_branch(other_operand(add, base)) if is_kind(add, "add") else None
+        if lora is not None and lora[0] is product:
+            break
+    else:
+        raise Unabsorbable("the product is read by something other than one bias-free linear or a PEFT LoRA linear")
+    weight = _plain_linear(base)[1]
+    _, lora_a, lora_b, scale, lora_nodes = lora
+    path = []  # casts (and p=0 dropout) between the product and the adapter's A
+    node = arg(lora_nodes[-1], 0, "input")
+    while node is not product:
+        path.append(node)
+        node = node.args[0]
+    output = add
+    if dtype(add) != dtype(product):
+        output = next(iter(add.users)) if len(add.users) == 1 else None
+        if not (is_kind(output, "cast") and dtype(output) == dtype(product)):
+            raise Unabsorbable(f"the down projection's output is used as {dtype(add)}")
+    nodes = (base, *path[::-1], *lora_nodes[::-1], add, *([output] if output is not add else []))
+    inside = set(nodes)
+    if any(user not in inside for n in (product, *nodes) if n is not output for user in n.users):
+        raise Unabsorbable("a value inside the down projection is used outside it")
+    if any(dtype(w) != dtype(lora_a) for w in (lora_a, lora_b)) or dtype(weight) != dtype(product):
+        raise Unabsorbable("down projection weights do not match the MLP's dtype")
+    return _Down(weight, lora_a, lora_b, scale, nodes, output)
 
 
 def _describe(node) -> str:
@@ -159,13 +214,15 @@ def _scaled_lora_b(graph: fx.Graph, lora_b, scale):
     return graph.call_function(operator.mul, (lora_b, scale))
 
 
-def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Projection, up: _Projection) -> None:
+def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Projection, up: _Projection,
+                down: _Down | None, save_projections: bool) -> None:
     inter = shape(product)[-1]
     scales = {p.scale for p in (gate, up) if p.scale is not None}
     # The op takes one Python-float scale. A symbolic scale, or two different ones, is folded into each
     # B factor instead (a [I, r] multiply; exact for PEFT's usual power-of-two alpha / r).
     fold = len(scales) > 1 or any(isinstance(s, fx.Node) for s in scales)
-    with graph.inserting_before(product):
+    output = product if down is None else down.output
+    with graph.inserting_before(output):
         args = [gate.x, _weight_half(graph, gate.weight, inter), _weight_half(graph, up.weight, inter)]
         for p in (gate, up):
             lora_b = p.lora_b
@@ -173,9 +230,24 @@ def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Proje
                 lora_b = _scaled_lora_b(graph, lora_b, p.scale)
             args += [p.lora_a, None if lora_b is None else _weight_half(graph, lora_b, inter)]
         args += [1.0 if fold or not scales else scales.pop(), activation]
-        new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default, tuple(args))
+        if down is None:
+            args += [None, None, None, 1.0]
+        else:
+            down_b, down_scale = down.lora_b, 1.0 if down.scale is None else down.scale
+            if isinstance(down_scale, fx.Node):
+                down_b, down_scale = _scaled_lora_b(graph, down_b, down_scale), 1.0
+            args += [down.weight, down.lora_a, down_b, down_scale]
+        new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default, (*args, save_projections))
+        result = graph.call_function(operator.getitem, (new, 0))
     propagate_meta(new, product)
-    product.replace_all_uses_with(new)
+    propagate_meta(result, output)
+    example = value(output)
+    if example is not None:
+        rows = math.prod(shape(gate.x)[:-1])
+        with example.fake_mode:
+            saved = example.new_empty((rows, 2 * inter) if save_projections else (0,))
+        new.meta["example_value"] = (example, saved)
+    output.replace_all_uses_with(result)
 
 
 def _emit_fallback(graph: fx.Graph, product: fx.Node, activation: str, g: fx.Node, u: fx.Node) -> None:
@@ -227,11 +299,17 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
                                        f"input dtype {dtype(gate.x)} (LoRA factors must share one dtype)")
             if any(user not in act_nodes for user in g.users) or len(u.users) != 1:
                 raise Unabsorbable("gate or up projection is used outside the MLP")
-            _emit_fused(graph, product, activation, gate, up)
-            erase_unused(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product])
+            try:
+                down, with_down = _down_projection(product), "with down projection"
+            except Unabsorbable as why:
+                down, with_down = None, f"down projection not absorbed: {why}"
+            _emit_fused(graph, product, activation, gate, up, down, options.save_mlp_projections)
+            erase_unused(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product,
+                                 *(down.nodes if down is not None else ())])
             lora = "LoRA " if gate.lora_a is not None or up.lora_a is not None else ""
             fused = "fused gate_up, " if isinstance(gate.weight, tuple) else ""
-            record.match(site, f"gated_mlp ({fused}{lora}{activation}, recomputes projections)")
+            keeps = "saves projections" if options.save_mlp_projections else "recomputes projections"
+            record.match(site, f"gated_mlp ({fused}{lora}{activation}, {keeps}; {with_down})")
         except Unabsorbable as why:
             _emit_fallback(graph, product, activation, g, u)
             erase_unused(graph, [*act_nodes, product])
