@@ -2,17 +2,23 @@
 
     python bench/bench_gated_mlp.py            # H200: Qwen2.5-1.5B and Llama-8B MLPs, 32k tokens
     python bench/bench_gated_mlp.py --tokens 131072 --shapes qwen2.5-1.5b   # long context
+    python bench/bench_gated_mlp.py --block --shapes qwen2.5-1.5b --tokens 34816 --profile
+                                               # the whole MLP block (down projection included), as the
+                                               # trainer runs it at 4096 completions, + the op's kernels
     python bench/bench_gated_mlp.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
 
-gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projection.
+gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projection; with --block the
+  down projection (with LoRA) too, and the op also with saved gate/up (provider fastgrpo_saved: what the
+  trainer runs under gradient checkpointing).
   plain: trainable bf16 weights (full fine-tuning); lora: frozen bf16 base, fp32 PEFT adapters
-  r=16 on gate and up, scale 2. Eager is the HF + PEFT arithmetic written out; inductor compiles
-  that; liger is the same matmuls with LigerSiLUMulFunction for act*mul (what its SwiGLU MLP does).
+  r=16 on gate and up (and down), scale 2 (bf16 adapters with --block, as autocast runs them). Eager
+  is the HF + PEFT arithmetic written out; inductor compiles that; liger is the same matmuls with
+  LigerSiLUMulFunction for act*mul (what its SwiGLU MLP does).
   TFLOP/s counts model FLOPs (forward, dx, dW when trained; not fastgrpo's recompute).
   "saved MiB": memory held between forward and backward beyond the inputs.
   fastgrpo walks the tokens in chunks (rows_per_chunk() rows, printed in the header), so its peak
-  beyond h and dx stays under ~1.5 x 256 MiB at any token count (LoRA; full fine-tuning adds
-  fp32 weight-gradient accumulators).
+  beyond its output and dx stays under ~2.25 x 256 MiB at any token count (LoRA; full fine-tuning adds
+  fp32 weight-gradient accumulators); fastgrpo_saved holds gate and up ([tokens, 2I]) besides.
 act_mul: h = silu(g) * u on [tokens, I] bf16; GB/s over the bytes read and written once.
 Writes $OUT/bench_gated_mlp.json (bench_gated_mlp_<tokens>.json for other token counts) when OUT is set.
 """
@@ -37,18 +43,27 @@ RANK = 16
 LORA_SCALE = 2.0
 
 
-def eager_mlp(x, wg, wu, ga, gb, ua, ub):
-    """HF LlamaMLP up to down_proj, with PEFT's LoRA arithmetic when factors are given."""
-    g = F.linear(x, wg)
-    u = F.linear(x, wu)
-    if ga is not None:
-        g = (g + F.linear(F.linear(x.to(ga.dtype), ga), gb) * LORA_SCALE).to(x.dtype)
-        u = (u + F.linear(F.linear(x.to(ua.dtype), ua), ub) * LORA_SCALE).to(x.dtype)
-    return F.silu(g) * u
+def _lora_linear(x, w, a, b):
+    """PEFT's LoRA linear: (base(x) + B(A(x in the adapters' dtype)) * scale) in x's dtype; plain without A."""
+    y = F.linear(x, w)
+    return y if a is None else (y + F.linear(F.linear(x.to(a.dtype), a), b) * LORA_SCALE).to(x.dtype)
 
 
-def fastgrpo_mlp(x, wg, wu, ga, gb, ua, ub):
-    return gated_mlp(x, wg, wu, ga, gb, ua, ub, LORA_SCALE, "silu")
+def _mlp(act_mul_fn):
+    """HF LlamaMLP with PEFT's LoRA arithmetic, act*mul by `act_mul_fn`; the down projection when wd is given."""
+    def mlp(x, wg, wu, ga, gb, ua, ub, wd=None, da=None, db=None):
+        h = act_mul_fn(_lora_linear(x, wg, ga, gb), _lora_linear(x, wu, ua, ub))
+        return h if wd is None else _lora_linear(h, wd, da, db)
+    return mlp
+
+
+eager_mlp = _mlp(lambda g, u: F.silu(g) * u)
+
+
+def fastgrpo_mlp(save_projections=False):
+    def mlp(x, wg, wu, ga, gb, ua, ub, wd=None, da=None, db=None):
+        return gated_mlp(x, wg, wu, ga, gb, ua, ub, LORA_SCALE, "silu", wd, da, db, LORA_SCALE, save_projections)
+    return mlp
 
 
 def liger_mlp_fn():
@@ -56,33 +71,33 @@ def liger_mlp_fn():
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except ImportError:
         return None
-
-    def liger_mlp(x, wg, wu, ga, gb, ua, ub):
-        g = F.linear(x, wg)
-        u = F.linear(x, wu)
-        if ga is not None:
-            g = (g + F.linear(F.linear(x.to(ga.dtype), ga), gb) * LORA_SCALE).to(x.dtype)
-            u = (u + F.linear(F.linear(x.to(ua.dtype), ua), ub) * LORA_SCALE).to(x.dtype)
-        return LigerSiLUMulFunction.apply(g, u)
-
-    return liger_mlp
+    return _mlp(LigerSiLUMulFunction.apply)
 
 
-def make_mlp_inputs(hidden, inter, tokens, lora, device):
+def make_mlp_inputs(hidden, inter, tokens, lora, device, block=False):
+    """(x, wg, wu, ga, gb, ua, ub[, wd, da, db]): separate gate/up modules as in Llama; --block adds the
+    down projection, and its adapters are bf16 as autocast runs them (fp32 PEFT adapters otherwise)."""
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     w_gate_up = torch.randn(2 * inter, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
-    wg, wu = w_gate_up[:inter].clone(), w_gate_up[inter:].clone()  # separate modules, as in Llama
+    wg, wu = w_gate_up[:inter].clone(), w_gate_up[inter:].clone()
+    down = [torch.randn(hidden, inter, device=device, dtype=torch.bfloat16) * inter**-0.5] if block else []
     if not lora:
-        return x, wg.requires_grad_(), wu.requires_grad_(), None, None, None, None
-    factors = [torch.randn(RANK, hidden, device=device) * hidden**-0.5, torch.randn(inter, RANK, device=device) * 0.01,
-               torch.randn(RANK, hidden, device=device) * hidden**-0.5, torch.randn(inter, RANK, device=device) * 0.01]
-    return (x, wg, wu, *[t.requires_grad_() for t in factors])
+        return (x, wg.requires_grad_(), wu.requires_grad_(), None, None, None, None,
+                *[w.requires_grad_() for w in down], *([None, None] if block else []))
+    lora_dtype = torch.bfloat16 if block else torch.float32
+    shapes = [(RANK, hidden, hidden**-0.5), (inter, RANK, 0.01), (RANK, hidden, hidden**-0.5), (inter, RANK, 0.01)]
+    if block:
+        shapes += [(RANK, inter, inter**-0.5), (hidden, RANK, 0.01)]
+    factors = [(torch.randn(rows, cols, device=device) * std).to(lora_dtype).requires_grad_() for rows, cols, std in shapes]
+    return (x, wg, wu, *factors[:4], *down, *factors[4:])
 
 
-def mlp_flops(hidden, inter, tokens, lora):
-    base = 2 * tokens * hidden * 2 * inter
-    fwd = base + (4 * tokens * RANK * (hidden + inter) if lora else 0)
-    bwd = base + (0 if lora else base) + (8 * tokens * RANK * (hidden + inter) if lora else 0)
+def mlp_flops(hidden, inter, tokens, lora, block=False):
+    projections = 3 if block else 2
+    base = 2 * tokens * hidden * projections * inter
+    adapters = projections * 2 * tokens * RANK * (hidden + inter)
+    fwd = base + (adapters if lora else 0)
+    bwd = base + (0 if lora else base) + (2 * adapters if lora else 0)
     return fwd, bwd
 
 
@@ -98,7 +113,8 @@ def bench_mlp(fn, inputs, mode, device):
                 return fn(*args)
         ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
         return ms, None, None
-    dh = torch.randn(x.shape[0], inputs[1].shape[0], device=device, dtype=x.dtype)
+    with torch.no_grad():
+        dh = torch.randn_like(fn(*args))
 
     def step():
         return torch.autograd.grad(fn(*args), wrt, dh)
@@ -135,19 +151,38 @@ def bench_act_mul(fn, g, u, mode):
 
 
 def dry_run():
-    for lora in (False, True):
-        inputs = make_mlp_inputs(64, 96, 40, lora, "cpu")
-        inputs = [t.float() if t is not None else None for t in inputs]
-        for rows_per_chunk in (None, 16):  # one chunk, then three
-            gated_mlp_module.ROWS_PER_CHUNK = rows_per_chunk
-            err = (fastgrpo_mlp(*inputs) - eager_mlp(*inputs)).abs().max().item()
-            print(f"dry-run gated_mlp lora={lora} rows_per_chunk={rows_per_chunk}: max |fastgrpo - eager| = {err:.2e}")
-            assert err < 1e-4
-        gated_mlp_module.ROWS_PER_CHUNK = None
+    for block in (False, True):
+        for lora in (False, True):
+            inputs = make_mlp_inputs(64, 96, 40, lora, "cpu", block)
+            inputs = [t.float() if t is not None else None for t in inputs]
+            for rows_per_chunk in (None, 16):  # one chunk, then three
+                gated_mlp_module.ROWS_PER_CHUNK = rows_per_chunk
+                for save in (False, True) if block else (False,):
+                    err = (fastgrpo_mlp(save)(*inputs) - eager_mlp(*inputs)).abs().max().item()
+                    print(f"dry-run gated_mlp block={block} lora={lora} rows_per_chunk={rows_per_chunk} save={save}: "
+                          f"max |fastgrpo - eager| = {err:.2e}")
+                    assert err < 1e-4
+            gated_mlp_module.ROWS_PER_CHUNK = None
     g, u = torch.randn(2, 40, 96, 2).unbind(-1)
     err = (act_mul(g, u) - F.silu(g) * u).abs().max().item()
     print(f"dry-run act_mul: max |fastgrpo - eager| = {err:.2e}")
     assert err < 1e-5
+
+
+def profile(fn, inputs):
+    """torch.profiler's CUDA kernels of one fwd+bwd of `fn` (after a warm-up)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    inputs = (inputs[0].detach().requires_grad_(), *inputs[1:])
+    wrt = [t for t in inputs if t is not None and t.requires_grad]
+    with torch.no_grad():
+        dh = torch.randn_like(fn(*inputs))
+    torch.autograd.grad(fn(*inputs), wrt, dh)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(fn(*inputs), wrt, dh)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=90))
 
 
 def main():
@@ -155,6 +190,9 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
     parser.add_argument("--tokens", type=int, default=TOKENS, help="rows of x (default %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--block", action="store_true", help="the MLP block with its down projection")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top CUDA kernels of the "
+                                                              "fastgrpo op (LoRA, last shape)")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
@@ -163,25 +201,29 @@ def main():
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     device = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
-    providers = {"fastgrpo": fastgrpo_mlp, "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
+    providers = {"fastgrpo": fastgrpo_mlp(), "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
+    if args.block:
+        providers["fastgrpo_saved"] = fastgrpo_mlp(save_projections=True)
     liger = liger_mlp_fn()
     if liger is not None:
         providers["liger"] = liger
     rows = []
     for name, (hidden, inter) in shapes.items():
         for lora in (False, True):
-            inputs = make_mlp_inputs(hidden, inter, tokens, lora, device)
+            inputs = make_mlp_inputs(hidden, inter, tokens, lora, device, args.block)
             ref = eager_mlp(*[t.double() if t is not None else None for t in inputs]).float()
-            err = (fastgrpo_mlp(*inputs).float() - ref).abs().max().item()
-            flops_fwd, flops_bwd = mlp_flops(hidden, inter, tokens, lora)
+            err = (fastgrpo_mlp()(*inputs).float() - ref).abs().max().item()
+            flops_fwd, flops_bwd = mlp_flops(hidden, inter, tokens, lora, args.block)
             for mode in ("fwd", "full"):
                 for provider, fn in providers.items():
                     (ms, lo, hi), peak, saved = bench_mlp(fn, inputs, mode, device)
                     flops = flops_fwd + (flops_bwd if mode == "full" else 0)
-                    rows.append(dict(op="gated_mlp", shape=name, variant="lora" if lora else "plain", mode=mode,
+                    rows.append(dict(op="gated_mlp block" if args.block else "gated_mlp", shape=name, variant="lora" if lora else "plain", mode=mode,
                                      provider=provider, ms=ms, p20=lo, p80=hi, tflops=flops / ms / 1e9,
                                      peak_mib=None if peak is None else peak / 2**20,
                                      saved_mib=None if saved is None else saved / 2**20, max_abs_err_fwd=err))
+            if args.profile and lora:
+                profile(providers["fastgrpo_saved" if args.block else "fastgrpo"], inputs)
             del inputs
         g = torch.randn(tokens, inter, device=device, dtype=torch.bfloat16)
         u = torch.randn(tokens, inter, device=device, dtype=torch.bfloat16)
