@@ -60,6 +60,7 @@ def _cast(graph: fx.Graph, node: fx.Node, to: torch.dtype) -> fx.Node:
 def apply(gm: fx.GraphModule, device: str, to: torch.dtype) -> int:
     """Write the input casts of every matmul-family node on `device` into the graph; returns how many nodes."""
     graph, rewritten, nested = gm.graph, 0, 0
+    collapsed = []  # `x.to(float32)` nodes a matmul read, now bypassed for x itself
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _AUTOCAST_ENTER:
             nested += 1
@@ -77,12 +78,19 @@ def apply(gm: fx.GraphModule, device: str, to: torch.dtype) -> int:
             if example.dtype == to or example.dtype not in _CASTABLE:
                 continue
             cast = _cast(graph, operand, to)
+            if is_kind(operand, "cast") and cast is operand.args[0]:
+                collapsed.append(operand)
             if index < len(node.args):
                 node.update_arg(index, cast)
             else:
                 node.update_kwarg(name, cast)
             changed = True
         rewritten += changed
+    # A collapsed cast nobody reads any more is erased: left in place it would still read its input (PEFT's
+    # `h.to(float32)` of the MLP product), and a pattern that replaces that input could not erase it.
+    for cast in dict.fromkeys(collapsed):
+        if not cast.users:
+            graph.erase_node(cast)
     if rewritten:
         graph.lint()
         gm.recompile()
