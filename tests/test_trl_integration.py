@@ -351,12 +351,16 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
 
 
 def test_checkpointed_layers_keep_the_mlp_projections(tmp_path):
-    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up instead of recomputing them a
-    second time; a user's own backend options win; without checkpointing the op recomputes."""
-    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_compile_options == {"save_mlp_projections": True}
+    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up on CUDA instead of recomputing
+    them a second time, and on CPU the MLP keeps the act_mul form; a user's own backend options win; without
+    checkpointing the options are the user's alone."""
+    from tests.tiny_models import trainer_rule
+
+    assert trainer_rule("_compile_options", tmp_path, "cuda") == {"save_mlp_projections": True}
+    assert trainer_rule("_compile_options", tmp_path, "cpu") == {"absorb_mlp_projections": False}
     mine = {"save_mlp_projections": False, "inner": "aot_eager"}
-    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_compile_options=mine).fastgrpo_compile_options == mine
-    assert not F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False).fastgrpo_compile_options
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_compile_options=mine) == mine
+    assert trainer_rule("_compile_options", tmp_path, "cuda", gradient_checkpointing=False) is None
 
 
 def test_auto_find_batch_size_is_refused(tmp_path):

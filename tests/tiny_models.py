@@ -99,7 +99,7 @@ __all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_gra
            "eager_then_compiled_model", "assert_compiled_matches_eager", "tiny_tokenizer"]
 
 
-def trainer_rule(rule: str, tmp_path, device: str, **config) -> bool:
+def trainer_rule(rule: str, tmp_path, device: str, **config):
     """What GRPOTrainer's `rule` (a method such as `_packing_on`) decides for a GRPOConfig built from `config`,
     when the trainer runs on `device`; no trainer is built."""
     from types import SimpleNamespace
