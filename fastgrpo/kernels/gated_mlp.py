@@ -276,14 +276,21 @@ def _fused_rows(w_gate, w_up):
     return None
 
 
-def _gate_up(x_rows, w_gate, w_up):
-    """Base projections in x's dtype; one cuBLAS call for a fused gate_up weight."""
+def _gate_up(x_rows, w_gate, w_up, gu_rows=None):
+    """Base projections in x's dtype, written into the [rows, 2I] buffer gu_rows (a new one if None; LoRA
+    terms are added in place after): (g, u, gu_rows), g and u views of it. One cuBLAS call for a fused
+    gate_up weight."""
+    inter = w_gate.shape[0]
+    if gu_rows is None:
+        gu_rows = torch.empty(x_rows.shape[0], 2 * inter, dtype=x_rows.dtype, device=x_rows.device)
+    g, u = gu_rows[:, :inter], gu_rows[:, inter:]
     fused = _fused_rows(w_gate, w_up)
     if fused is not None:
-        gu = torch.mm(x_rows, fused.t())
-        n = w_gate.shape[0]
-        return gu[:, :n], gu[:, n:], gu
-    return torch.mm(x_rows, w_gate.t()), torch.mm(x_rows, w_up.t()), None
+        torch.mm(x_rows, fused.t(), out=gu_rows)
+    else:
+        torch.mm(x_rows, w_gate.t(), out=g)
+        torch.mm(x_rows, w_up.t(), out=u)
+    return g, u, gu_rows
 
 
 def _lora_a(factors):
@@ -398,20 +405,6 @@ def _saved_projections(x, w_gate, save_projections):
     return torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
-def _gate_up_into(x_rows, w_gate, w_up, gu_rows):
-    """Base projections written into rows of the saved [rows, 2I] buffer (LoRA terms are added in place
-    after); (g, u) views of it."""
-    fused = _fused_rows(w_gate, w_up)
-    inter = w_gate.shape[0]
-    g, u = gu_rows[:, :inter], gu_rows[:, inter:]
-    if fused is not None:
-        torch.mm(x_rows, fused.t(), out=gu_rows)
-    else:
-        torch.mm(x_rows, w_gate.t(), out=g)
-        torch.mm(x_rows, w_up.t(), out=u)
-    return g, u
-
-
 def _down_forward(h_rows, w_down, down, out_rows):
     """out_rows = h @ w_down^T [+ PEFT LoRA (h in the adapters' dtype) @ A^T @ B^T * scale], rounded once
     to out's dtype as PEFT's `(base + lora * scale).to(dtype)` does."""
@@ -432,10 +425,7 @@ def _add_loras_(g, u, lora_g, lora_u, scale):
 def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, w_down, down, out_rows, gu_rows):
     # One chunk, in a function of its own so that its buffers are freed before the next
     # chunk's are allocated.
-    if gu_rows is not None:
-        g, u = _gate_up_into(x_rows, w_gate, w_up, gu_rows)
-    else:
-        g, u, _ = _gate_up(x_rows, w_gate, w_up)
+    g, u, _ = _gate_up(x_rows, w_gate, w_up, gu_rows)
     _, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
     _add_loras_(g, u, lora_g, lora_u, lora_scale)
     h_rows = out_rows if w_down is None else torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
@@ -585,13 +575,12 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
     inter = w_gate.shape[0]
     if saved_rows is None:
         # dg, du overwrite the recomputed g, u: a chunk holds one [rows, 2I] buffer, not two.
-        g, u, gu = _gate_up(x_rows, w_gate, w_up)
-        dg, du, dgu = g, u, gu
+        g, u, dgu = _gate_up(x_rows, w_gate, w_up)
+        dg, du = g, u
     else:
         g, u = saved_rows[:, :inter], saved_rows[:, inter:]
         dgu = torch.empty(saved_rows.shape, dtype=saved_rows.dtype, device=saved_rows.device)
         dg, du = dgu[:, :inter], dgu[:, inter:]
-        dgu = dgu if fused is not None else None
     x_cast, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
     if saved_rows is None:
         _add_loras_(g, u, lora_g, lora_u, lora_scale)
@@ -612,7 +601,7 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
         dxa = dxa_g if dxa_g is not None else dxa_u
     dxa = dxa.to(a.dtype) if dxa is not None else None
     if dx_rows is not None:
-        if dgu is not None:
+        if fused is not None:
             torch.mm(dgu, fused, out=dx_rows)
         else:
             torch.mm(dg, w_gate, out=dx_rows)
