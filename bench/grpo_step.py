@@ -10,7 +10,7 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
             (backend option save_mlp_projections=True: the gated-MLP op, down projection included,
             keeps the gate and up projections, as the TRL integration does under gradient
-            checkpointing; on CUDA the checkpointed layer inputs are offloaded to host memory, the
+            checkpointing with padded batches; on CUDA the checkpointed layer inputs are offloaded to host memory, the
             integration's default there)
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product; the
@@ -18,11 +18,13 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_mlp_op  the same with the gated-MLP op recomputing the projections (its recompute is
             paid twice under checkpointing: less memory, more time)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
-  fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
+  fastgrpo_packed  fastgrpo_actmul on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
             on CUDA, log-probs only at completion positions); the plan and mask are built inside
-            the timed step
+            the timed step. The act_mul form, as the TRL integration runs packed batches
   fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
+  fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo): more
+            memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
 --spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
 (`spread_lengths`, fixed seed: the same batch for every system and for
 bench/peers/unsloth_step.py --spread); padded systems get the batch right-padded to its
@@ -36,8 +38,10 @@ JSON lines with --merge to print one table with ratios.
     python bench/grpo_step.py --merge $OUT/grpo_step.jsonl $OUT/unsloth_step.jsonl
 """
 import argparse
+import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -47,19 +51,22 @@ import torch
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 DYNAMIC = True  # one compile serves every completion length
 # fastgrpo variants: backend options of each.
-# Checkpointing is on in every system here, so fastgrpo's gated-MLP op keeps the gate and up projections
-# (what the TRL integration does then); fastgrpo_actmul and fastgrpo_mlp_op measure the alternatives.
+# Checkpointing is on in every system here, so fastgrpo's gated-MLP op keeps the gate and up projections with
+# padded batches and the MLP takes its act_mul form with packed ones (what the TRL integration does then);
+# the other variants measure the alternatives.
 _CHECKPOINTED = {"save_mlp_projections": True}
+_ACT_MUL = {"absorb_mlp_projections": False}
 FASTGRPO_OPTIONS = {
     "fastgrpo": _CHECKPOINTED,
-    "fastgrpo_actmul": {"absorb_mlp_projections": False},
+    "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_mlp_op": None,
     "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob"]},
-    "fastgrpo_packed": _CHECKPOINTED,
-    "fastgrpo_shared": _CHECKPOINTED,
+    "fastgrpo_packed": _ACT_MUL,
+    "fastgrpo_shared": _ACT_MUL,
+    "fastgrpo_packed_save": _CHECKPOINTED,
 }
 # Packed variants: whether the group's prompt is shared.
-PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True}
+PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:
@@ -185,6 +192,29 @@ def with_mixed_precision(step, device: torch.device):
     return mixed_precision_step
 
 
+class GcPauses:
+    """Python's garbage-collector pauses while installed (gc.callbacks): total ms and full (generation-2)
+    collections. A full collection walks every live Python object - after compiling a model, millions - and
+    stalls the host, so the GPU idles: a step that takes it is hundreds of ms slower."""
+
+    def __init__(self):
+        self.ms, self.full, self._start = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+            self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
 def timed_steps(step, args, model, count: int, before_each=None) -> list[float]:
     """`step(*args)` `count` times, the gradients cleared after each; returns each step's wall time in ms
     (CUDA-synchronised). `before_each` runs untimed before each step (e.g. a barrier across ranks)."""
@@ -202,8 +232,45 @@ def timed_steps(step, args, model, count: int, before_each=None) -> list[float]:
     return times
 
 
-def profile_step(step, args, label: str, rows: int = 30) -> None:
-    """Print the kernels that take the step's time (one step under torch.profiler)."""
+# Kernel-name patterns of the categories profile_step sums device time into (first match wins).
+KERNEL_CATEGORIES = [
+    ("memcpy/memset (copy engines: overlaps compute)", r"memcpy|memset"),
+    ("attention", r"flash|fmha|cudnn|attn|sdpa"),
+    ("matmul (cuBLAS/CUTLASS)", r"nvjet|gemm|cutlass|xmma|splitk|cublas|sm90_"),
+    ("norm/rope/act-mul/log-prob Triton kernels (fastgrpo's; Unsloth's norm and rope)",
+     r"_rms_norm|_rope|_act_mul|_stats_kernel|_grad_logits|_dw_reduce"),
+    ("inductor Triton kernels", r"^triton_"),
+    ("aten elementwise/reduce/copy", r"elementwise|reduce|vectorized|cat_|copy|index|fill|scatter|gather"),
+    ("other", r""),
+]
+
+
+def kernel_summary(prof) -> str:
+    """Device time of one profiled step by kernel category, and the GPU's busy time (union of its compute
+    kernels' intervals, copies left out) against the step's wall time: how host-bound the step is."""
+    totals, intervals = {}, []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name))
+        count, time_us = totals.get(category, (0, 0.0))
+        totals[category] = (count + 1, time_us + event.time_range.elapsed_us())
+        if not category.startswith("memcpy"):
+            intervals.append((event.time_range.start, event.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    wall = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
+    lines = ["| kernels | count | ms |", "|---|---|---|"]
+    lines += [f"| {c} | {n} | {t / 1e3:.1f} |" for c, (n, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
+    lines.append(f"GPU busy {busy / 1e3:.1f} ms of {wall / 1e3:.1f} ms from first to last kernel")
+    return "\n".join(lines)
+
+
+def profile_step(step, args, label: str, rows: int = 40) -> None:
+    """Print the kernels that take the step's time (one step under torch.profiler), by category and by name."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -212,8 +279,30 @@ def profile_step(step, args, label: str, rows: int = 30) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"PROFILE {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70),
+    print(f"PROFILE {label}\n" + (kernel_summary(prof) + "\n" if torch.cuda.is_available() else "")
+          + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
+    print(f"HOST PROFILE {label} (cProfile of one more step: where the host's time goes)\n" + host_profile(step, args),
           flush=True)
+
+
+def host_profile(step, args, rows: int = 45) -> str:
+    """cProfile of one step, by own time and by cumulative time: the Python and launch work the host does
+    (a step whose GPU is idle part of the time is bound by this), and any wait on the GPU (synchronize)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
 
 
 def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
@@ -230,7 +319,8 @@ def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
 
 
 def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool,
-        profile_at: int | None = None, prompt: int = PROMPT, spread: bool = False) -> list[dict]:
+        profile_at: tuple[int, ...] = (), prompt: int = PROMPT, spread: bool = False,
+        gc_freeze: bool = True) -> list[dict]:
     results = []
     try:
         model = build_policy(system, prompt + max(completions) + 8, tiny)
@@ -253,8 +343,13 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             timed_steps(step, (ids, mask, adv), model, warmup)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            times = timed_steps(step, (ids, mask, adv), model, repeat)
-            if completion == profile_at:
+            frozen = gc_freeze and system in FASTGRPO_OPTIONS
+            if frozen:  # as fastgrpo's trainer does after its first step (the peers' collectors are left alone)
+                gc.freeze()
+            with GcPauses() as pauses:
+                times = timed_steps(step, (ids, mask, adv), model, repeat)
+            result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full, gc_frozen=frozen)
+            if completion in profile_at:
                 profile_step(step, (ids, mask, adv), f"{system} completion={completion}")
                 model.zero_grad(set_to_none=True)
             median = statistics.median(times)
@@ -336,7 +431,10 @@ def main() -> int:
                         help="completion lengths uniform in [10 %%, 100 %%] of each --completions value (fixed seed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--profile-at", type=int, help="profile one step of each system at this completion length")
+    parser.add_argument("--profile-at", default="", help="profile one step of each system at these completion lengths (comma list)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave Python's collector as it is (by default the fastgrpo systems call gc.freeze() after "
+                             "warm-up, as the trainer does after its first step)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()
@@ -345,11 +443,12 @@ def main() -> int:
         print(table(results))
         return 0
     completions = [int(c) for c in args.completions.split(",")]
+    profile_at = tuple(int(c) for c in args.profile_at.split(",") if c)
     results = []
     for prompt in [int(p) for p in args.prompt.split(",")]:
         for system in args.systems.split(","):
-            results += run(system, completions, args.warmup, args.repeat, args.tiny, args.profile_at, prompt,
-                           args.spread)
+            results += run(system, completions, args.warmup, args.repeat, args.tiny, profile_at, prompt,
+                           args.spread, not args.no_gc_freeze)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grpo_step.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)

@@ -4,13 +4,14 @@ One pytest process: importing TRL's GRPO trainer costs ~15 s (it imports vLLM), 
 On CPU the decoder is compiled with the fastgrpo backend handing off to aot_eager (inductor's cold compile is
 ~25 s); the GPU tests use the backend's defaults.
 """
+import gc
 import math
 
 import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 from trl.trainer.grpo_config import GRPOConfig as StockGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
 
@@ -301,9 +302,15 @@ def test_first_step_says_what_was_fused_and_warns_about_the_rest(tokenizer, tmp_
     args = F.GRPOConfig(**common_args(tmp_path, max_steps=2, fastgrpo_compile_options=COMPILE_OPTIONS))
     trainer = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
                             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), peft_config=LoraConfig(**LORA))
+    frozen_at_step_begin = []
+    trainer.add_callback(type("FreezeProbe", (TrainerCallback,), {
+        "on_step_begin": lambda self, *args, **kwargs: frozen_at_step_begin.append(gc.get_freeze_count())}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
+    # The heap is frozen after the first step (fastgrpo_freeze_gc) and unfrozen when training ends.
+    assert frozen_at_step_begin[0] == 0 and frozen_at_step_begin[1] > 0, frozen_at_step_begin
+    assert gc.get_freeze_count() == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fastgrpo: ")]
     assert len(printed) == 1, printed  # once, after the first step
     problems = [str(w.message) for w in caught if str(w.message).startswith("fastgrpo: not accelerated")]
@@ -351,15 +358,19 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
 
 
 def test_checkpointed_layers_keep_the_mlp_projections(tmp_path):
-    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up on CUDA instead of recomputing
-    them a second time, and on CPU the MLP keeps the act_mul form; a user's own backend options win; without
-    checkpointing the options are the user's alone."""
+    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up on CUDA with padded batches
+    instead of recomputing them a second time; with packing (CUDA's default) and on CPU the MLP keeps the act_mul
+    form; a user's own backend options win; without checkpointing the options are the user's alone."""
     from tests.tiny_models import trainer_rule
 
-    assert trainer_rule("_compile_options", tmp_path, "cuda") == {"save_mlp_projections": True}
-    assert trainer_rule("_compile_options", tmp_path, "cpu") == {"absorb_mlp_projections": False}
+    act_mul = {"absorb_mlp_projections": False}
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False) == {"save_mlp_projections": True}
+    assert trainer_rule("_compile_options", tmp_path, "cuda") == act_mul  # packing: "auto", on for CUDA
+    assert trainer_rule("_compile_options", tmp_path, "cpu") == act_mul
     mine = {"save_mlp_projections": False, "inner": "aot_eager"}
     assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_compile_options=mine) == mine
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_compile_options={"inner": "eager"}) == {
+        **act_mul, "inner": "eager"}
     assert trainer_rule("_compile_options", tmp_path, "cuda", gradient_checkpointing=False) is None
 
 

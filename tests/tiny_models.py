@@ -102,9 +102,11 @@ __all__ = ["tiny_model", "VOCAB", "ARCHS", "count_modules", "grads", "assert_gra
 def trainer_rule(rule: str, tmp_path, device: str, **config):
     """What GRPOTrainer's `rule` (a method such as `_packing_on`) decides for a GRPOConfig built from `config`,
     when the trainer runs on `device`; no trainer is built."""
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     import fastgrpo.integrations.trl as F
 
     args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
-    return getattr(F.GRPOTrainer, rule)(SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device))))
+    trainer = SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device)))
+    trainer._packing_on = MethodType(F.GRPOTrainer._packing_on, trainer)  # a rule other rules consult
+    return getattr(F.GRPOTrainer, rule)(trainer)

@@ -42,7 +42,7 @@ for _key, _value in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASE
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_step import spread_lengths  # noqa: E402  (bench/grpo_step.py: the same length spread)
+from grpo_step import GcPauses, profile_step, spread_lengths  # noqa: E402  (bench/grpo_step.py: same spread, same profile)
 
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,7 +149,7 @@ def make_batch(completion: int, vocab: int, pad_id: int, device, prompt: int = P
 
 
 def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, repeat: int, extra: dict,
-                prompt: int = PROMPT, spread: bool = False) -> dict:
+                prompt: int = PROMPT, spread: bool = False, profile: bool = False) -> dict:
     lengths = spread_lengths(completion, GROUP) if spread else [completion] * GROUP
     tokens = GROUP * prompt + sum(lengths)
     result = {"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
@@ -165,12 +165,17 @@ def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, 
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            loss = trainer.training_step(model, dict(batch), None)
-            if on_gpu:
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) * 1e3)
+        with GcPauses() as pauses:  # Unsloth as it runs: its collector left alone
+            for _ in range(repeat):
+                start = time.perf_counter()
+                loss = trainer.training_step(model, dict(batch), None)
+                if on_gpu:
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+                model.zero_grad(set_to_none=True)
+        result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full)
+        if profile:
+            profile_step(lambda: trainer.training_step(model, dict(batch), None), (), f"unsloth completion={completion}")
             model.zero_grad(set_to_none=True)
         median = statistics.median(times)
         unwrapped = trainer.accelerator.unwrap_model(model)
@@ -204,6 +209,7 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt length")
     parser.add_argument("--spread", action="store_true",
                         help="completion lengths of bench/grpo_step.py --spread (uniform in [10 %%, 100 %%], same seed)")
+    parser.add_argument("--profile-at", default="", help="profile one step at these completion lengths (comma list)")
     parser.add_argument("--tiny", action="store_true",
                         help="2-layer model, vocab 512: a quick check of the plumbing (still needs CUDA)")
     args = parser.parse_args()
@@ -239,7 +245,7 @@ def main() -> int:
         started = time.perf_counter()
         pad_id = trainer.processing_class.pad_token_id
         emit(run_setting(trainer, completion, vocab, pad_id, args.warmup, args.repeat, extra, args.prompt,
-                         args.spread))
+                         args.spread, str(completion) in args.profile_at.split(",")))
         print(f"unsloth_step: completion {completion} took {time.perf_counter() - started:.0f} s", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -32,6 +32,7 @@ unchanged. What changes:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import types
@@ -132,6 +133,17 @@ class GRPOConfig(TRLGRPOConfig):
             "training on CUDA with gradient_checkpointing=True (TRL's default); True needs gradient_checkpointing. "
             "Always non-reentrant. The policy's decoder layers are then compiled one region each instead of the "
             "whole decoder as one graph."
+        },
+    )
+    fastgrpo_freeze_gc: bool = field(
+        # H200, Qwen2.5-1.5B shape (bench/grpo_step.py, 2026-11-29): one full collection stalled a 1024-completion
+        # step by 479 ms (833 ms against 324-382 ms for the other five).
+        default=True,
+        metadata={
+            "help": "After the first optimizer step (compiled code, caches and the model now exist), collect once "
+            "and gc.freeze() what survives, so that Python's full collections no longer walk those objects: such a "
+            "collection otherwise stalls a random step by hundreds of ms while the GPU idles. Unfrozen at the end "
+            "of train()."
         },
     )
     fastgrpo_embedded_generation: bool = field(
@@ -528,6 +540,30 @@ class FusionSummary(TrainerCallback):
                           stacklevel=2)
 
 
+class FreezeLongLivedObjects(TrainerCallback):
+    """gc.collect() then gc.freeze() after the first optimizer step, gc.unfreeze() when training ends.
+
+    A full (generation-2) collection walks every tracked Python object; with a compiled model (Dynamo/inductor
+    caches, FX graphs, the model, TRL, transformers) that is hundreds of thousands of them, so each one stalls the
+    host for hundreds of ms, at a random step, with the GPU idle. Frozen objects are left out of every later collection. The one collection
+    first frees what is already garbage, so that nothing unreachable is frozen; objects created later are
+    collected as usual."""
+
+    def __init__(self):
+        self.frozen = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.frozen:
+            gc.collect()
+            gc.freeze()
+            self.frozen = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
+
+
 class GRPOTrainer(TRLGRPOTrainer):
     """TRL's `GRPOTrainer` with fastgrpo's log-prob head, compiled decoder and memory-sized mini-batches.
 
@@ -574,6 +610,8 @@ class GRPOTrainer(TRLGRPOTrainer):
             self._offload_checkpointing()
         if args.fastgrpo_compile:
             self.add_callback(FusionSummary())
+        if args.fastgrpo_freeze_gc:
+            self.add_callback(FreezeLongLivedObjects())
         reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
         # With offloading (always non-reentrant) the hook is kept for another reason: the layers are compiled one
         # region each, and a first layer whose input needs no grad would compile a second layer graph.
@@ -656,15 +694,19 @@ class GRPOTrainer(TRLGRPOTrainer):
 
     def _compile_options(self) -> dict | None:
         """The backend options, the user's winning. Under gradient checkpointing each layer's forward runs twice, so
-        the gated-MLP op's own recompute of the projections would be paid twice: on CUDA the op keeps gate/up
-        instead (its other intermediates still exist a chunk at a time: 12.5 vs 18.2 GiB at 16384 completions on
-        the H200, 1-2 % slower); on CPU, where memory is not what limits, the act_mul form (the main job's step:
-        5.9 s against 9.3 s with the op's torch path)."""
+        the gated-MLP op's own recompute of the projections would be paid twice. On CUDA with padded batches the op
+        keeps gate/up instead (its other intermediates still exist a chunk at a time: 12.5 vs 18.2 GiB at 16384
+        completions on the H200, 1-2 % slower). With packing (the CUDA default) the act_mul form: on the H200, a
+        prompt-1024 batch of completions spread over 10-100 % of 4096 stepped in 683 ms at 5.97 GiB that way, in
+        706 ms at 7.96 GiB with the op keeping gate/up (why that form needs more memory packed, and less padded, is
+        not known yet). On CPU, where memory is not what limits, the act_mul form too (the main job's step: 5.9 s
+        against 9.3 s with the op's torch path)."""
         options = self.args.fastgrpo_compile_options
-        if not self.args.gradient_checkpointing:
-            return options
-        cuda = self.accelerator.device.type == "cuda"
-        return {**({"save_mlp_projections": True} if cuda else {"absorb_mlp_projections": False}), **(options or {})}
+        if not self.args.gradient_checkpointing or {"absorb_mlp_projections", "save_mlp_projections"} & set(options or {}):
+            return options  # the user chose the MLP form (or there is no second forward to weigh)
+        keep_projections = self.accelerator.device.type == "cuda" and not self._packing_on()
+        form = {"save_mlp_projections": True} if keep_projections else {"absorb_mlp_projections": False}
+        return {**form, **(options or {})}
 
     def _packing_on(self) -> bool:
         choice = self.args.fastgrpo_packing

@@ -2,7 +2,7 @@
 which keeps only x for backward and recomputes the two [tokens x intermediate]
 projections, the activation and their product (DESIGN.md §3: the memory inductor will
 not recompute). With the backend option `save_mlp_projections` (set by the TRL integration
-for checkpointed layers, whose forward is re-run anyway) it keeps the two projections
+for checkpointed layers with padded batches: their forward is re-run anyway) it keeps the two projections
 instead and recomputes only the activation and the product.
 
 The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
