@@ -81,6 +81,11 @@ run_step() {
       step scaling_2gpu 170 "$OURS OUT=$OUT" torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8 --baseline-json "$OUT/grpo_scaling.json" ;;
     tests_distributed) step tests_distributed 300 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 290 -rfE --tb=short tests/test_distributed.py ;;
     actmul) step actmul 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_actmul --completions $COMPLETIONS $STEP_ARGS ;;
+    # Where the step's time goes (kernel categories, GPU busy vs span, the host's cProfile), fastgrpo and Unsloth.
+    profile) step profile 170 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096 --warmup 2 --repeat 2 --profile-at 1024,4096
+      step unsloth_profile 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 --warmup 1 --repeat 2 --profile-at 1024,4096 ;;
+    # What is alive at the peak of packed steps (the op keeping gate/up against the act_mul form; the shared prompt).
+    memory_peak) step memory_peak 200 "$OURS" python3 bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-1024}" ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac

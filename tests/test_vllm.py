@@ -282,7 +282,8 @@ def test_grpo_steps_with_the_shared_engine(tokenizer, tmp_path):
     with pytest.warns(UserWarning, match="no sleep mode on CPU"):
         trainer = F.GRPOTrainer(
             model=tiny_model(tokenizer), reward_funcs=low_id_fraction,
-            args=grpo_args(tmp_path, vllm_enable_sleep_mode=True),
+            # Completions from vLLM, log-probs from the rows packed with each group's prompt once (issue 10).
+            args=grpo_args(tmp_path, vllm_enable_sleep_mode=True, fastgrpo_packing=True, fastgrpo_shared_prompt=True),
             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 3}), processing_class=tokenizer,
             peft_config=LoraConfig(**LORA),
         )  # fmt: skip
@@ -305,6 +306,7 @@ def test_grpo_steps_with_the_shared_engine(tokenizer, tmp_path):
 
     logs = [log for log in trainer.state.log_history if "reward" in log]
     assert len(logs) == 3 and trainer._embedded_generator is None
+    assert trainer._fastgrpo_heads[0].packer.last_plan.shared_rows > 0
     # The adapter copy replaced TRL's sync: nothing to copy before the first rollout, one copy after each step since.
     assert copies == [False, True, True]
     for log in logs:

@@ -1,0 +1,110 @@
+"""What is alive at a GRPO step's memory peak, and who allocated it (CUDA).
+
+Runs one step of each named `bench/grpo_step.py` system after a warm-up step, with the CUDA caching
+allocator's history recorded (`torch.cuda.memory._record_memory_history`, Python stacks), replays the
+trace to the moment the allocated bytes peak, and prints the blocks alive then, grouped by the Python frames
+that allocated them, largest first. Made to answer two open questions of bench/RESULTS.md: why the gated-MLP
+op keeping gate/up raises a packed step's peak by 2 GiB while it lowers a padded one's, and why the
+shared-prompt step peaks higher than the packed one although its sequence is shorter.
+
+    python bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save --spread --prompt 1024
+"""
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import grpo_step  # noqa: E402  (the systems, batches and steps of the step benchmark)
+
+# Frames that say nothing about who asked for the memory.
+_PLUMBING = ("torch/_ops.py", "torch/utils/_contextlib.py", "torch/_library/", "torch/nn/modules/module.py",
+             "torch/_tensor.py", "torch/autograd/graph.py", "torch/utils/_python_dispatch.py")
+
+
+def _frame_key(frames: list[dict], depth: int) -> str:
+    """The first `depth` Python frames of an allocation that are not dispatch plumbing, innermost first."""
+    kept = [f for f in frames if f["filename"].endswith(".py") and not any(p in f["filename"] for p in _PLUMBING)]
+    return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in kept[:depth]) or "(no frame)"
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """Replays one device's allocator trace: (peak allocated bytes, the allocations alive at that moment).
+
+    A block counts from its `alloc` to its `free_completed` (a block freed while a stream still uses it stays
+    allocated until then, as `torch.cuda.max_memory_allocated` counts it). Blocks allocated before recording
+    started are not in the trace: the peak is relative to the memory in use when recording began."""
+    live, current, peak, peak_index = {}, 0, 0, -1
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+        if current > peak:
+            peak, peak_index = current, index
+    alive = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            alive.pop(event["addr"], None)
+    return peak, list(alive.values())
+
+
+def by_site(events: list[dict], depth: int) -> list[tuple[str, int, int]]:
+    """(site, bytes, blocks) of the allocations, grouped by their frames, largest first."""
+    groups = defaultdict(lambda: [0, 0])
+    for event in events:
+        group = groups[_frame_key(event.get("frames", []), depth)]
+        group[0] += event["size"]
+        group[1] += 1
+    return sorted(((site, size, n) for site, (size, n) in groups.items()), key=lambda row: -row[1])
+
+
+def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, depth: int) -> None:
+    model = grpo_step.build_policy(system, prompt + completion + 8, tiny=False)
+    device = next(model.parameters()).device
+    ids, mask, adv, tokens, lengths = grpo_step.make_batch(model.config.vocab_size, prompt, completion, spread, device)
+    step = grpo_step.with_mixed_precision(grpo_step.make_step(system, model, mask.shape[1], prompt), device)
+    grpo_step.timed_steps(step, (ids, mask, adv), model, 1)  # compile and warm up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(context="all", stacks="python")
+    grpo_step.timed_steps(step, (ids, mask, adv), model, 1)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][device.index or 0]
+    peak, alive = live_at_peak(trace)
+    print(f"MEMORY {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} tokens): "
+          f"in use before the step {base / 2**30:.2f} GiB, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+          f"(trace: +{peak / 2**30:.2f} GiB at its peak, {len(alive)} blocks alive then)")
+    print("| allocated by (innermost first) | GiB | blocks |\n|---|---|---|")
+    for site, size, n in by_site(alive, depth)[:rows]:
+        print(f"| {site} | {size / 2**30:.3f} | {n} |")
+    del model, step
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="fastgrpo_packed,fastgrpo_packed_save")
+    parser.add_argument("--completion", type=int, default=4096)
+    parser.add_argument("--prompt", type=int, default=grpo_step.PROMPT)
+    parser.add_argument("--spread", action="store_true", help="completion lengths of grpo_step.py --spread")
+    parser.add_argument("--rows", type=int, default=20, help="sites to print per system")
+    parser.add_argument("--depth", type=int, default=3, help="Python frames per site")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("memory_peak.py needs CUDA (the allocator history is CUDA's)", file=sys.stderr)
+        return 1
+    for system in args.systems.split(","):
+        measure(system, args.completion, args.prompt, args.spread, args.rows, args.depth)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""bench/memory_peak.py's replay of a CUDA allocator trace (the GPU run itself is a benchmark)."""
+from bench.memory_peak import by_site, live_at_peak
+
+
+def _frames(*names):
+    return [{"filename": "/site/torch/_ops.py", "line": 1, "name": "__call__"}] + [
+        {"filename": f"/x/{name}.py", "line": i, "name": name} for i, name in enumerate(names)]
+
+
+def test_the_peak_is_replayed_from_alloc_to_free_completed_and_grouped_by_frames():
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": _frames("mlp", "layer")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": _frames("attn", "layer")},
+        {"action": "free_requested", "addr": 1, "size": 100},  # still allocated: a stream uses it
+        {"action": "alloc", "addr": 3, "size": 30, "frames": _frames("mlp", "layer")},  # peak: 180
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": _frames("head")},  # 140: below the peak
+        {"action": "free_completed", "addr": 99, "size": 10},  # allocated before recording began
+    ]
+    peak, alive = live_at_peak(trace)
+    assert peak == 180 and sorted(e["addr"] for e in alive) == [1, 2, 3]
+    assert by_site(alive, depth=1) == [("mlp.py:0:mlp", 130, 2), ("attn.py:0:attn", 50, 1)]
+    assert by_site(alive, depth=2)[0][0] == "mlp.py:0:mlp < layer.py:1:layer"
