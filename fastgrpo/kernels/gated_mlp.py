@@ -348,16 +348,34 @@ def _row_chunks(n_rows, inter, dtype):
     return [(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
 
-def _addmm_fp32(acc, a, b):
-    """acc += a @ b into an fp32 accumulator. bf16/fp16 products are summed in fp32 and added
-    without first rounding a chunk's partial sum to the operands' dtype, so a gradient summed over
-    chunks differs from a one-chunk result only by fp32 summation order."""
+def _mm_fp32(a, b):
+    """a @ b in fp32; bf16/fp16 operands are multiplied without rounding the product to their dtype."""
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda:
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _accumulate(acc, name, a, b):
+    """acc[name] += a @ b in fp32, if acc holds `name` (a gradient that is needed). The first chunk's
+    product becomes the accumulator (no zero fill: two launches fewer per gradient); later chunks' are
+    added without first rounding them to the operands' dtype, so a gradient summed over chunks differs
+    from a one-chunk result only by fp32 summation order."""
+    if name not in acc:
+        return
+    if acc[name] is None:
+        acc[name] = _mm_fp32(a, b)
+    elif a.dtype == torch.float32 or not a.is_cuda:
+        acc[name].addmm_(a.float(), b.float())
     else:
-        acc.addmm_(a.float(), b.float())
+        acc[name].add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def _summed(acc, name, like):
+    """The fp32 sum of acc[name] over all chunks (zeros when there were no rows)."""
+    total = acc[name]
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if total is None else total
 
 
 def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation, w_down=None, da=None, db=None):
@@ -506,13 +524,10 @@ def _gated_mlp_backward_op(
     need_dxa_g = ga is not None and (need["x"] or need_da)
     need_dxa_u = ua is not None and (need["x"] or need_da)
 
-    def fp32_zeros(like, needed):
-        return torch.zeros(like.shape, dtype=torch.float32, device=x.device) if needed else None
-
-    acc = dict(w_gate=fp32_zeros(w_gate, need["w_gate"]), w_up=fp32_zeros(w_up, need["w_up"]),
-               a=fp32_zeros(a, need_da), gate_b=fp32_zeros(gb, need["gate_b"]), up_b=fp32_zeros(ub, need["up_b"]),
-               w_down=fp32_zeros(w_down, need["w_down"]), down_a=fp32_zeros(down_lora_a, need["down_a"]),
-               down_b=fp32_zeros(down_lora_b, need["down_b"]))
+    # fp32 gradient sums over the chunks, one per needed gradient (None until the first chunk's).
+    needed = dict(w_gate=need["w_gate"], w_up=need["w_up"], a=need_da, gate_b=need["gate_b"], up_b=need["up_b"],
+                  w_down=need["w_down"], down_a=need["down_a"], down_b=need["down_b"])
+    acc = {name: None for name, wanted in needed.items() if wanted}
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need["x"] else None
     dx2d = dx.view(-1, hidden) if need["x"] else None
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
@@ -523,25 +538,26 @@ def _gated_mlp_backward_op(
     if need["x"]:
         grads.append(dx)
     if need["w_gate"]:
-        grads.append(acc["w_gate"].to(w_gate.dtype))
+        grads.append(_summed(acc, "w_gate", w_gate).to(w_gate.dtype))
     if need["w_up"]:
-        grads.append(acc["w_up"].to(w_up.dtype))
+        grads.append(_summed(acc, "w_up", w_up).to(w_up.dtype))
+    d_a_both = _summed(acc, "a", a) if need_da else None
     # Returned gradients may not alias each other (copy=True: the accumulator may have A's dtype).
     # One A shared by gate and up gets its whole gradient in the gate slot (autograd adds the two
     # slots), so the two halves are not rounded separately before they are summed.
     if need["gate_a"]:
-        d_a = acc["a"] if ga is ua or ua is None else acc["a"][: ga.shape[0]]
+        d_a = d_a_both if ga is ua or ua is None else d_a_both[: ga.shape[0]]
         grads.append(d_a.to(ga.dtype, copy=True))
     if need["gate_b"]:
-        grads.append((acc["gate_b"] * lora_scale).to(gb.dtype))
+        grads.append((_summed(acc, "gate_b", gb) * lora_scale).to(gb.dtype))
     if need["up_a"]:
-        d_a = torch.zeros_like(ua) if ga is ua else acc["a"] if ga is None else acc["a"][ga.shape[0]:]
+        d_a = torch.zeros_like(ua) if ga is ua else d_a_both if ga is None else d_a_both[ga.shape[0]:]
         grads.append(d_a.to(ua.dtype, copy=True))
     if need["up_b"]:
-        grads.append((acc["up_b"] * lora_scale).to(ub.dtype))
+        grads.append((_summed(acc, "up_b", ub) * lora_scale).to(ub.dtype))
     for name, like in (("w_down", w_down), ("down_a", down_lora_a), ("down_b", down_lora_b)):
         if need[name]:
-            grads.append(acc[name].to(like.dtype))
+            grads.append(_summed(acc, name, like).to(like.dtype))
     return grads
 
 
@@ -551,17 +567,17 @@ def _down_backward(d_out_rows, g, u, activation, w_down, down, acc):
     h = torch.empty(g.shape, dtype=d_out_rows.dtype, device=d_out_rows.device)
     _act_mul_fwd(g, u, h, activation)
     dh = torch.mm(d_out_rows, w_down)
-    if acc["w_down"] is not None:
-        _addmm_fp32(acc["w_down"], d_out_rows.t(), h)
+    _accumulate(acc, "w_down", d_out_rows.t(), h)
     if down is not None:
         da, db, scale = down
         h_cast = h.to(da.dtype)
-        d_lora = d_out_rows.to(db.dtype) * scale  # gradient at the output of lora_B, before * scale
-        if acc["down_b"] is not None:
-            _addmm_fp32(acc["down_b"], d_lora.t(), torch.mm(h_cast, da.t()))
+        d_lora = d_out_rows.to(db.dtype)  # gradient at the output of lora_B, before * scale
+        if scale != 1.0:
+            d_lora = d_lora * scale
+        if "down_b" in acc:
+            _accumulate(acc, "down_b", d_lora.t(), torch.mm(h_cast, da.t()))
         dxa = torch.mm(d_lora, db)
-        if acc["down_a"] is not None:
-            _addmm_fp32(acc["down_a"], dxa.t(), h_cast)
+        _accumulate(acc, "down_a", dxa.t(), h_cast)
         dh.add_(torch.mm(dxa, da))
     return dh
 
@@ -569,7 +585,7 @@ def _down_backward(d_out_rows, g, u, activation, w_down, down, acc):
 def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, activation,
                    w_down, down, need_dxa_g, need_dxa_u, dx_rows, acc):
     """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
-    weight and LoRA gradient to the fp32 accumulators in `acc` (None where not needed). A
+    needed weight and LoRA gradient to its fp32 accumulator in `acc`. A
     function of its own so that the chunk's buffers are freed before the next chunk's exist."""
     ga, _, ua, _ = factors
     inter = w_gate.shape[0]
@@ -590,8 +606,8 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
         dh_rows = _rows_unit_stride(d_out_rows, inter)
     _act_mul_bwd(dh_rows, g, u, dg, du, activation)
     del dh_rows
-    dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc["gate_b"])
-    dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc["up_b"])
+    dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc, "gate_b")
+    dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc, "up_b")
     # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
     if ga is not None and ga is ua:
         dxa = dxa_g + dxa_u
@@ -608,29 +624,25 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
             dx_rows.addmm_(du, w_up)
         if a is not None:  # LoRA path, in the adapters' dtype (PEFT casts x up, so back down here)
             dx_rows.add_(torch.mm(dxa, a))
-    if acc["w_gate"] is not None:
-        _addmm_fp32(acc["w_gate"], dg.t(), x_rows)
-    if acc["w_up"] is not None:
-        _addmm_fp32(acc["w_up"], du.t(), x_rows)
-    if acc["a"] is not None:
-        _addmm_fp32(acc["a"], dxa.t(), x_cast)
+    _accumulate(acc, "w_gate", dg.t(), x_rows)
+    _accumulate(acc, "w_up", du.t(), x_rows)
+    if "a" in acc:
+        _accumulate(acc, "a", dxa.t(), x_cast)
 
 
-def _lora_backward(d_proj, lora, scale, need_dxa, acc_b):
+def _lora_backward(d_proj, lora, scale, need_dxa, acc, b_name):
     """For one projection's adapter, given the gradient of the projection (LoRA included): adds
-    d_proj^T xa to B's fp32 accumulator (scaled once at the end) and returns dL/d(xa) in fp32
-    (None if not needed). d_proj is taken in the adapters' dtype, as PEFT's autograd holds it."""
+    d_proj^T xa to B's fp32 accumulator acc[b_name] (scaled once at the end) and returns dL/d(xa) in
+    fp32 (None if not needed). d_proj is taken in the adapters' dtype, as PEFT's autograd holds it."""
     if lora is None:
         return None
     xa, b = lora
     d_proj = d_proj if d_proj.dtype == b.dtype else d_proj.to(b.dtype)
-    if acc_b is not None:
-        _addmm_fp32(acc_b, d_proj.t(), xa)
+    _accumulate(acc, b_name, d_proj.t(), xa)
     if not need_dxa:
         return None
-    dxa = torch.zeros(xa.shape, dtype=torch.float32, device=xa.device)
-    _addmm_fp32(dxa, d_proj, b)
-    return dxa.mul_(scale)
+    dxa = _mm_fp32(d_proj, b)
+    return dxa if scale == 1.0 else dxa.mul_(scale)
 
 
 @_gated_mlp_backward_op.register_fake
