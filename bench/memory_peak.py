@@ -27,7 +27,8 @@ _PLUMBING = ("torch/_ops.py", "torch/utils/_contextlib.py", "torch/_library/", "
 def _frame_key(frames: list[dict], depth: int) -> str:
     """The first `depth` Python frames of an allocation that are not dispatch plumbing, innermost first."""
     kept = [f for f in frames if f["filename"].endswith(".py") and not any(p in f["filename"] for p in _PLUMBING)]
-    return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in kept[:depth]) or "(no frame)"
+    names = [f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in kept[:depth]]
+    return " < ".join(names) or "(no frame)"
 
 
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:

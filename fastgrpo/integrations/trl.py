@@ -545,9 +545,10 @@ class FreezeLongLivedObjects(TrainerCallback):
 
     A full (generation-2) collection walks every tracked Python object; with a compiled model (Dynamo/inductor
     caches, FX graphs, the model, TRL, transformers) that is hundreds of thousands of them, so each one stalls the
-    host for hundreds of ms, at a random step, with the GPU idle. Frozen objects are left out of every later collection. The one collection
-    first frees what is already garbage, so that nothing unreachable is frozen; objects created later are
-    collected as usual."""
+    host for hundreds of ms, at a random step, with the GPU idle. Frozen objects are left out of every later
+    collection. The one collection first frees what is already garbage, so that nothing unreachable is frozen;
+    objects created later are collected as usual. (Unfreezing also unfreezes what other code froze: that only
+    makes later collections walk those objects again.)"""
 
     def __init__(self):
         self.frozen = False
@@ -702,8 +703,9 @@ class GRPOTrainer(TRLGRPOTrainer):
         not known yet). On CPU, where memory is not what limits, the act_mul form too (the main job's step: 5.9 s
         against 9.3 s with the op's torch path)."""
         options = self.args.fastgrpo_compile_options
-        if not self.args.gradient_checkpointing or {"absorb_mlp_projections", "save_mlp_projections"} & set(options or {}):
-            return options  # the user chose the MLP form (or there is no second forward to weigh)
+        user_chose_form = bool({"absorb_mlp_projections", "save_mlp_projections"} & set(options or {}))
+        if not self.args.gradient_checkpointing or user_chose_form:
+            return options
         keep_projections = self.accelerator.device.type == "cuda" and not self._packing_on()
         form = {"save_mlp_projections": True} if keep_projections else {"absorb_mlp_projections": False}
         return {**form, **(options or {})}
