@@ -10,8 +10,8 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
             (backend option save_mlp_projections=True: the gated-MLP op, down projection included,
             keeps the gate and up projections, as the TRL integration does under gradient
-            checkpointing with padded batches; on CUDA the checkpointed layer inputs are offloaded to host memory, the
-            integration's default there)
+            checkpointing with padded batches; on CUDA the checkpointed layer inputs are offloaded
+            to host memory, the integration's default there)
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product; the
             integration's form before save_mlp_projections)
@@ -194,8 +194,8 @@ def with_mixed_precision(step, device: torch.device):
 
 class GcPauses:
     """Python's garbage-collector pauses while installed (gc.callbacks): total ms and full (generation-2)
-    collections. A full collection walks every live Python object - after compiling a model, millions - and
-    stalls the host, so the GPU idles: a step that takes it is hundreds of ms slower."""
+    collections. A full collection walks every live Python object - after compiling a model, hundreds of
+    thousands - and stalls the host, so the GPU idles: a step that takes it is hundreds of ms slower."""
 
     def __init__(self):
         self.ms, self.full, self._start = 0.0, 0, None
@@ -345,9 +345,14 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 torch.cuda.reset_peak_memory_stats()
             frozen = gc_freeze and system in FASTGRPO_OPTIONS
             if frozen:  # as fastgrpo's trainer does after its first step (the peers' collectors are left alone)
+                gc.collect()
                 gc.freeze()
-            with GcPauses() as pauses:
-                times = timed_steps(step, (ids, mask, adv), model, repeat)
+            try:
+                with GcPauses() as pauses:
+                    times = timed_steps(step, (ids, mask, adv), model, repeat)
+            finally:
+                if frozen:  # a later system in this process, a peer maybe, starts with its collector as it was
+                    gc.unfreeze()
             result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full, gc_frozen=frozen)
             if completion in profile_at:
                 profile_step(step, (ids, mask, adv), f"{system} completion={completion}")
@@ -431,7 +436,8 @@ def main() -> int:
                         help="completion lengths uniform in [10 %%, 100 %%] of each --completions value (fixed seed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--profile-at", default="", help="profile one step of each system at these completion lengths (comma list)")
+    parser.add_argument("--profile-at", default="",
+                        help="profile one step of each system at these completion lengths (comma list)")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="leave Python's collector as it is (by default the fastgrpo systems call gc.freeze() after "
                              "warm-up, as the trainer does after its first step)")

@@ -17,11 +17,12 @@ class Options:
     # Fold the gated MLP's gate/up projections into fastgrpo::gated_mlp, which keeps only x and recomputes them
     # in backward. False keeps gate and up (fastgrpo::act_mul): under gradient checkpointing the layer's forward
     # is re-run anyway and the recompute is paid twice (H200, Qwen2.5-1.5B GRPO step at 4096: 1170 ms / 7.7 GiB
-    # absorbed vs 896 ms / 9.5 GiB kept), so the TRL integration sets False when checkpointing is on.
+    # absorbed vs 896 ms / 9.5 GiB kept), so under checkpointing the TRL integration sets False for packed
+    # batches and on CPU (GRPOTrainer._compile_options).
     absorb_mlp_projections: bool = True
     # With the projections absorbed, keep the gate and up projections (LoRA included, [tokens, 2I]) for backward
     # instead of recomputing them: for checkpointed layers, whose forward is re-run anyway (the TRL integration
-    # sets it when checkpointing is on). Saves the same as act_mul but nothing else of [tokens x intermediate]:
+    # sets it under checkpointing for padded batches on CUDA). Saves the same as act_mul but nothing else of [tokens x intermediate]:
     # the product, its gradient and dgate/dup exist only chunk by chunk inside the op.
     save_mlp_projections: bool = False
     # Print the fusion table after each graph is compiled.
