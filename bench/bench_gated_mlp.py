@@ -129,7 +129,8 @@ def bench_mlp(fn, inputs, mode, device):
     del out
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
+    # A Llama-8B block step takes ~45 ms: 400 ms of repetitions give ~9 samples (60 ms gave one).
+    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=400)
     return ms, peak, saved
 
 
@@ -193,6 +194,8 @@ def main():
     parser.add_argument("--block", action="store_true", help="the MLP block with its down projection")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top CUDA kernels of the "
                                                               "fastgrpo op (LoRA, last shape)")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="no timing table: the top CUDA kernels of the fastgrpo op and of inductor, LoRA")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
@@ -207,6 +210,13 @@ def main():
     liger = liger_mlp_fn()
     if liger is not None:
         providers["liger"] = liger
+    if args.profile_only:
+        for name, (hidden, inter) in shapes.items():
+            inputs = make_mlp_inputs(hidden, inter, tokens, True, device, args.block)
+            for provider in ("fastgrpo_saved" if args.block else "fastgrpo", "inductor"):
+                print(f"== {name} LoRA, {provider}")
+                profile(providers[provider], inputs)
+        return
     rows = []
     for name, (hidden, inter) in shapes.items():
         for lora in (False, True):

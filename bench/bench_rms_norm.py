@@ -150,40 +150,47 @@ def bench(mode, rows, H, with_inductor, with_liger):
     return results
 
 
-def sweep(rows, hidden_sizes):
+def sweep(rows, hidden_sizes, kinds):
     """Time each launch configuration of the Triton kernels (forward, backward with and
-    without dW) at the benchmark shapes, GPU time only; used to set _fwd_config / _bwd_config."""
+    without dW; plain and with the residual add) at the benchmark shapes, GPU time only; used
+    to set _fwd_config / _bwd_config."""
     import triton
     import triton.testing
 
     saved = fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config
+    bytes_per_elem = {"fwd": 4, "bwd": 6, "bwd+dw": 6, "add_fwd": 8, "add_bwd": 8, "add_bwd+dw": 8}
     try:
         for H in hidden_sizes:
             block_h = triton.next_power_of_2(H)
-            (x, w), (dy,) = make_inputs("rms", rows, H, "cuda")
-            x, w = x.detach(), w.detach()
-            bytes_per_elem = {"fwd": 4, "bwd": 6, "bwd+dw": 6}
-            configs = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (2, 4, 8, 16, 32)
-                       if 8 <= br * block_h // (nw * 32) <= 32]
-            for kind in ("fwd", "bwd", "bwd+dw"):
+            (x, res, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
+            x, res, w = x.detach(), res.detach(), w.detach()
+            configs = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8, 16, 32)
+                       if 4 <= br * block_h // (nw * 32) <= 32]
+            for kind in kinds:
                 timings = []
-                per_sm_options = {"fwd": (None,), "bwd": (None, 2, 4, 8), "bwd+dw": (1, 2, 3, 4, 6)}[kind]
+                per_sm_options = (None,) if kind.endswith("fwd") else (
+                    (None, 4, 8) if kind.endswith("bwd") else (2, 4, 6))
                 for (block_row, num_warps), per_sm in itertools.product(configs, per_sm_options):
-                    fastgrpo_rms._fwd_config = lambda H_, on_cuda, c=(block_row, num_warps): c
-                    fastgrpo_rms._bwd_config = lambda H_, on_cuda, dw, c=(block_row, num_warps, per_sm): c
+                    fastgrpo_rms._fwd_config = lambda *_, c=(block_row, num_warps): c
+                    fastgrpo_rms._bwd_config = lambda *_, c=(block_row, num_warps, per_sm): c
                     if kind == "fwd":
                         def fn():
                             return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
+                    elif kind == "add_fwd":
+                        def fn():
+                            return torch.ops.fastgrpo.add_rms_norm(x, res, w, EPS, 0.0, False, DTYPE)
                     else:
-                        def fn(need_dw=kind == "bwd+dw"):
-                            return torch.ops.fastgrpo.rms_norm_backward(dy, None, x, w, EPS, 0.0, False, True, need_dw)
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                        def fn(need_dw=kind.endswith("+dw"), grad_sum=dsum if kind.startswith("add") else None):
+                            return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, need_dw)
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
                     timings.append((ms, block_row, num_warps, per_sm))
                 timings.sort()
                 line = ", ".join(f"br{b} w{nw} sm*{p}: {ms * 1e3:.1f}us "
                                  f"({bytes_per_elem[kind] * rows * H / (ms * 1e-3) / 1e9:.0f} GB/s)"
                                  for ms, b, nw, p in timings[:5])
-                print(f"H={H} {kind:7s} {line}", flush=True)
+                fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
+                current = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                print(f"H={H} {kind:10s} now {current * 1e3:.1f}us; best: {line}", flush=True)
     finally:
         fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
 
@@ -202,14 +209,15 @@ def main():
     parser.add_argument("--hidden", type=int, nargs="+", default=[576, 1536, 4096, 8192])
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="*", metavar="KIND",
+                        help="time launch configurations of: fwd bwd bwd+dw add_fwd add_bwd add_bwd+dw (default all)")
     args = parser.parse_args()
     if args.dry_run:
         return dry_run()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (use --dry-run on CPU)")
-    if args.sweep:
-        return sweep(args.rows, args.hidden)
+    if args.sweep is not None:
+        return sweep(args.rows, args.hidden, args.sweep or ["fwd", "bwd", "bwd+dw", "add_fwd", "add_bwd", "add_bwd+dw"])
 
     all_results = []
     for mode in ("rms", "add+rms"):

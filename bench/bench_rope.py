@@ -9,6 +9,7 @@ written, cos and sin read. Liger rotates in place and takes cos/sin before the u
 Writes $OUT/bench_rope.json when OUT is set.
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -104,6 +105,38 @@ def bench(fn, q, k, cos, sin, mode, device):
     return ms, peak, gpu_ms
 
 
+def sweep(device):
+    """GPU time of the forward and backward kernels for each launch configuration (positions
+    per program x warps) at the benchmark shapes; used to set rope._cuda_config."""
+    import triton
+    import triton.testing
+
+    from fastgrpo.kernels import rope as rope_module
+
+    saved = rope_module._cuda_config
+    try:
+        for name, (n_q, n_kv, head_dim) in SHAPES.items():
+            q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
+            moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
+            block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_kv)
+            for backward in (False, True):
+                op = torch.ops.fastgrpo.rope_backward if backward else torch.ops.fastgrpo.rope
+                args = (q, k, cos, sin, head_dim, False) + ((q.dtype, k.dtype) if backward else ())
+                timings = []
+                for block_s, num_warps in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+                    rope_module._cuda_config = lambda *_, c=(block_hq, block_hk, block_s, num_warps): c
+                    ms = triton.testing.do_bench_cudagraph(lambda: op(*args), rep=50, return_mode="median")
+                    timings.append((ms, block_s, num_warps))
+                rope_module._cuda_config = saved
+                now = triton.testing.do_bench_cudagraph(lambda: op(*args), rep=50, return_mode="median")
+                timings.sort()
+                best = ", ".join(f"s{bs} w{nw}: {ms * 1e3:.1f}us ({100 * moved / (ms * 1e-3) / COPY_BANDWIDTH:.0f}%)"
+                                 for ms, bs, nw in timings[:5])
+                print(f"{name} {'bwd' if backward else 'fwd'}: now {now * 1e3:.1f}us; best: {best}", flush=True)
+    finally:
+        rope_module._cuda_config = saved
+
+
 def dry_run():
     """CPU check of the harness pieces: inputs, reference and op agree on tiny shapes."""
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
@@ -118,11 +151,14 @@ def dry_run():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
         return
     device = torch.device("cuda")
+    if args.sweep:
+        return sweep(device)
     torch._dynamo.config.cache_size_limit = 64
     providers = {"fastgrpo": rope, "eager": hf_rope, "inductor": torch.compile(hf_rope, dynamic=False)}
     liger = liger_rope_fn()

@@ -9,11 +9,14 @@ and backward and records, against the same model run eagerly:
     (RMSNorm-like modules by class name, attention layers, gated MLPs and expert banks found
     by their weight shapes, one lm-head);
   - near misses with their reasons, graph breaks, and whether outputs and gradients equal eager.
+A model whose graph breaks at data-dependent ops (MoE routing by .item() or nonzero()) is measured
+again with Dynamo's capture flags, as the fusion report tells users to; its row says so.
 Encoder-decoder models, models that cannot be built tiny and models with none of RMSNorm,
 RoPE or a gated MLP are listed with the reason.
 
     python bench/coverage.py                       # full sweep -> docs/SUPPORT.md, docs/support.json
     python bench/coverage.py --archs llama,mixtral # a subset, printed (add --md/--json to write files)
+    python bench/coverage.py --archs jetmoe --update  # re-measure these rows of docs/support.json, rewrite both
 
 Nothing is cached: every run rebuilds and recompiles every model.
 """
@@ -21,7 +24,9 @@ import argparse
 import datetime
 import gc
 import json
+import logging
 import multiprocessing
+import re
 import signal
 import sys
 import time
@@ -38,6 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import fastgrpo  # noqa: E402
+from fastgrpo.compiler.report import CAPTURE_FLAGS, is_data_dependent_break  # noqa: E402
 from fastgrpo.compiler.tiny import _SMALL, ALIASES  # noqa: E402
 
 PATTERNS = ("rms_norm", "rope", "gated_mlp", "selective_logprob")
@@ -91,6 +97,19 @@ def _read_only(config_class, name: str) -> bool:
     return isinstance(attribute, property) and attribute.fset is None
 
 
+def _derived_sizes(config) -> dict:
+    """Integer sizes a config derives through a property with a setter, which `to_dict` leaves out although
+    they take a value like any other (LongCat-Flash's num_hidden_layers, twice its num_layers)."""
+    config_class, values = type(config), {}
+    for name in dir(config_class):
+        attribute = getattr(config_class, name, None)
+        if isinstance(attribute, property) and attribute.fset is not None:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                values[name] = value
+    return values
+
+
 def _shrunk(values: dict, small: dict, config_class) -> dict:
     """`small`'s sizes for the keys of `values` (never larger than the default; a size left
     unset by the default, such as a top-k of None, gets the small value), with dropout and
@@ -119,7 +138,7 @@ def tiny_overrides(arch: str, attempt: int = 0) -> dict:
     small = dict(_SMALL)
     if attempt:
         small |= dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16)
-    defaults = full.to_dict()
+    defaults = full.to_dict() | _derived_sizes(full)
     overrides = _shrunk(defaults, small | _SHRINK, config_class)
     if "kv_lora_rank" in defaults:  # multi-head latent attention expands k and v to every head
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]
@@ -138,7 +157,8 @@ def tiny_overrides(arch: str, attempt: int = 0) -> dict:
         overrides["num_hidden_layers"] = layers
     for key, sub in defaults.items():  # sub-configs (text, vision, ...): the same small sizes
         if isinstance(sub, dict) and "model_type" in sub:
-            overrides[key] = _shrunk(sub, small | _SHRINK, type(getattr(full, key)))
+            sub_config = getattr(full, key)
+            overrides[key] = _shrunk(sub | _derived_sizes(sub_config), small | _SHRINK, type(sub_config))
     return overrides
 
 
@@ -172,12 +192,15 @@ def _linears(module: nn.Module) -> list[nn.Linear]:
     return [child for child in children if isinstance(child, nn.Linear)]
 
 
+_ATTENTION_SUFFIXES = ("Attention", "MLA")  # MLA: multi-head latent attention (LongCat-Flash's LongcatFlashMLA)
+
+
 def _is_attention(module: nn.Module) -> bool:
-    """Innermost module whose class is named *Attention (the layer's attention, not its wrapper)."""
+    """Innermost module whose class is named *Attention or *MLA (the layer's attention, not its wrapper)."""
     name = type(module).__name__
-    if not name.endswith("Attention"):
+    if not name.endswith(_ATTENTION_SUFFIXES):
         return False
-    return not any(type(m).__name__.endswith("Attention") for m in module.modules() if m is not module)
+    return not any(type(m).__name__.endswith(_ATTENTION_SUFFIXES) for m in module.modules() if m is not module)
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
@@ -197,9 +220,11 @@ def _is_gated_mlp(module: nn.Module) -> bool:
 
 def _is_gated_experts(module: nn.Module) -> bool:
     """A bank of experts stored as 3-D weights [E, ., .] with a gate: separate gate, up and down
-    weights, or a fused [gate; up] weight with a dim twice one of the down weight's (either layout)."""
+    weights, or a fused [gate; up] weight with a dim twice one of the down weight's (either layout).
+    E may differ between the weights: LongCat-Flash's identity ("zero") experts have a [gate; up] row
+    but no down projection."""
     weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-    if len({w.shape[0] for w in weights}) != 1 or weights[0].shape[0] < 2:  # one weight per expert, several experts
+    if len(weights) < 2 or min(w.shape[0] for w in weights) < 2:  # one weight per expert, several experts
         return False
     if len(weights) == 3:
         return True
@@ -378,10 +403,90 @@ class _TooLarge(Exception):
     pass
 
 
-def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = False, timeout: int = 600) -> dict:
-    """Build, compile and compare one architecture; never raises (errors are recorded)."""
+class _GraphBreakLog(logging.Handler):
+    """Dynamo's graph-break log (what TORCH_LOGS="graph_breaks" prints), collected while open and printed nowhere.
+    It names every break, where counters["graph_break"] misses two kinds: a break inside a loop or one Dynamo
+    cannot resume from, after which it skips the whole frame (the frame runs eagerly and its callees are compiled
+    one by one: LongCat-Flash's dozen graphs), and a break raised as a UserError, such as a guard on a data-dependent
+    value (a Python loop over the rows of a nonzero(), which even Dynamo's capture flags cannot trace)."""
+
+    _BOILERPLATE = ("For more information", "For extended logs", "If you suspect", "For more debugging help",
+                    "For C++ stack trace")
+
+    def __enter__(self):
+        self.breaks: dict[str, int] = {}
+        self.loggers = [log for log in logging.Logger.manager.loggerDict.values()
+                        if getattr(log, "artifact_name", None) == "graph_breaks"]
+        self.saved = [(log.level, log.propagate) for log in self.loggers]
+        for log in self.loggers:
+            log.setLevel(logging.DEBUG)
+            log.propagate = False
+            log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        for log, (level, propagate) in zip(self.loggers, self.saved):
+            log.removeHandler(self)
+            log.setLevel(level)
+            log.propagate = propagate
+
+    def emit(self, record):
+        message = record.getMessage()
+        found = re.search(r"in user code at (.+?:\d+)\nGraph Break Reason: (.*)", message, re.S)
+        skipped = re.search(r"skip tracing the frame (.+?) and fall back", message)
+        if found:
+            where, reason = found[1], found[2]
+        elif skipped and record.exc_info:  # a frame skipped for a break logged nowhere else: the exception says why
+            where, reason = skipped[1], str(record.exc_info[1])
+        else:  # the verbose copy of a break that Dynamo logs again as one
+            return
+        stack = r"\n(?:User code traceback|Stack variable source attribution|User Stack \(most recent call last\)):"
+        reason = re.split(stack, reason)[0].strip()
+        # Drop what Dynamo says about the bytecode it stopped at ("Encountered graph break when attempting to
+        # trace CALL: ...:") and, for a UserError, its debugging boilerplate; keep the reason itself.
+        first, _, rest = reason.partition("\n")
+        if first.endswith(":") and rest.strip():
+            reason = rest.strip()
+        lines = [line for line in reason.splitlines() if not line.startswith(self._BOILERPLATE)]
+        reason = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+        if "Explanation:" not in reason:  # not one of Dynamo's catalogued breaks: say where it happened
+            reason += f" (at {where})"
+        reason = re.sub(r"[^\s(\"']*/site-packages/", "", reason)  # the same text on every machine
+        self.breaks[reason] = self.breaks.get(reason, 0) + 1
+
+
+def _compiled_run(completion_logps, model, ids, advantages, inner: str, expected: dict) -> dict:
+    """Compile `completion_logps` with the fastgrpo backend, run one step and compare with the eager `expected`
+    (logps, grads): graphs, graph breaks, what each pattern matched, the errors."""
     from torch._dynamo.utils import counters
 
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    counters.clear()
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(completion_logps, backend="fastgrpo", options={"inner": inner})
+    with _GraphBreakLog() as log:
+        actual = _step(compiled, ids, advantages)
+    actual_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    reports = fastgrpo.fusion_reports()
+    # The log is complete; Dynamo's counter is the fallback if its format ever stops matching.
+    graph_breaks = log.breaks or dict(counters["graph_break"])
+    if not graph_breaks and len(reports) != 1:
+        graph_breaks = {f"{len(reports)} graphs compiled for one call, though Dynamo named no graph break": 1}
+    want = expected["logps"]
+    out_err = (actual - want).abs().max().item() if actual.shape == want.shape else float("inf")
+    scale = want.abs().max().item()
+    grad_error = _max_grad_error(expected["grads"], actual_grads)
+    return {"graphs": len(reports), "graph_breaks": graph_breaks, "patterns": _summarise(reports),
+            "output_error": out_err, "grad_error": grad_error,
+            "equal": out_err <= OUT_TOL + OUT_TOL * scale and grad_error <= GRAD_REL_TOL}
+
+
+def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = False, timeout: int = 600) -> dict:
+    """Build, compile and compare one architecture; never raises (errors are recorded). A model whose graph breaks
+    at data-dependent ops is measured again with Dynamo's capture flags: the result is that run's, and
+    result["capture_flags"] says so and keeps the first run's status, graphs and breaks."""
     result = {"arch": arch, "status": None}
     start = time.perf_counter()
     old_handler = signal.signal(signal.SIGALRM, _alarm)
@@ -423,25 +528,24 @@ def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = Fals
             "gated_mlp": calls["gated_mlp"],
             "selective_logprob": 1,
         }
-        ids, advantages, expected = ref["ids"], ref["advantages"], {"out": ref["logps"]}
-        expected_grads, completion_logps = ref["grads"], ref["fn"]
+        run = (ref["fn"], model, ref["ids"], ref["advantages"], inner, ref)
 
         stage = "compiled run"
-        fastgrpo.clear_fusion_reports()
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(completion_logps, backend="fastgrpo", options={"inner": inner})
-        actual = _step(compiled, ids, advantages)
-        actual_grads = _grads(model)
-        result["graphs"] = len(fastgrpo.fusion_reports())
-        result["graph_breaks"] = {reason: n for reason, n in counters["graph_break"].items()}
-        result["patterns"] = _summarise(fastgrpo.fusion_reports())
-        out_err = (actual - expected["out"]).abs().max().item() if actual.shape == expected["out"].shape else float("inf")
-        scale = expected["out"].abs().max().item()
-        result["output_error"] = out_err
-        result["grad_error"] = _max_grad_error(expected_grads, actual_grads)
-        result["equal"] = out_err <= OUT_TOL + OUT_TOL * scale and result["grad_error"] <= GRAD_REL_TOL
+        result |= _compiled_run(*run)
         result["status"] = _status(result)
+        if any(is_data_dependent_break(reason) for reason in result["graph_breaks"]):
+            # What users get who follow the fusion report's advice for such breaks (report.CAPTURE_FIX).
+            stage = "compiled run with Dynamo's capture flags"
+            without = {key: result[key] for key in ("status", "graphs", "graph_breaks")}
+            try:
+                with torch._dynamo.config.patch(CAPTURE_FLAGS):
+                    flagged = _compiled_run(*run)
+            except Exception as err:  # noqa: BLE001 - the run without the flags stands
+                result["capture_flags"] = {"flags": sorted(CAPTURE_FLAGS), "error": _one_line(err)}
+            else:
+                result |= flagged
+                result["status"] = _status(result)
+                result["capture_flags"] = {"flags": sorted(CAPTURE_FLAGS), "without": without}
     except _Timeout:
         result |= {"status": "error", "reason": f"{stage}: timed out after {timeout} s"}
     except Exception as err:  # noqa: BLE001 - the sweep records every failure and goes on
@@ -524,8 +628,38 @@ def _cell(result: dict, pattern: str) -> str:
     return text
 
 
+def _status_cell(result: dict) -> str:
+    flags = result.get("capture_flags", {})
+    return f"{result['status']} with Dynamo's capture flags" if "without" in flags else result["status"]
+
+
+def _brief(reason: str) -> str:
+    """A graph break in one line: each break it chains (a break in a loop makes Dynamo skip the frame) by its
+    kind and, where Dynamo gives one, its debug context (the op)."""
+    parts = []
+    for part in reason.split("*** While handling this graph break, another graph break occurred: ***"):
+        lines = [line.strip() for line in part.strip().splitlines() if line.strip()]
+        context = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")]
+        parts.append(lines[0] + (f" ({context[0]})" if context else "") if lines else "")
+    return " -> ".join(parts)
+
+
+def _capture_flags_note(result: dict) -> str | None:
+    """For a model measured again with Dynamo's capture flags: that it was, and how it did without them."""
+    flags = result.get("capture_flags")
+    if not flags:
+        return None
+    names = ", ".join(f"{flag}=True" for flag in flags["flags"])
+    if "error" in flags:
+        return f"graph breaks at data-dependent ops; with Dynamo's capture flags ({names}) the run failed: " + flags["error"]
+    without = flags["without"]
+    breaks = "; ".join(_brief(reason) + (f" (x{n})" if n > 1 else "") for reason, n in without["graph_breaks"].items())
+    return (f"{result['status']} with Dynamo's capture flags ({names}); without them {without['status']}, "
+            f"{without['graphs']} graphs, {sum(without['graph_breaks'].values())} graph breaks: {breaks}")
+
+
 def _notes(result: dict) -> str:
-    notes = []
+    notes = [note] if (note := _capture_flags_note(result)) else []
     for pattern in PATTERNS:
         rec = result["patterns"][pattern]
         reasons = {}
@@ -544,20 +678,24 @@ def _notes(result: dict) -> str:
     return "; ".join(notes).replace("|", "\\|").replace("\n", " ")
 
 
-def write_markdown(results: list[dict], path: Path, inner: str, lora: bool, seq_len: int) -> None:
+def write_markdown(results: list[dict], path: Path, meta: dict) -> None:
+    """docs/SUPPORT.md from the rows and the JSON's meta (date, versions, inner, lora, seq_len, rows updated since)."""
+    inner, lora, seq_len = meta["inner"], meta["lora"], meta["seq_len"]
     by_status: dict[str, list[dict]] = {}
     for r in results:
         by_status.setdefault(r["status"], []).append(r)
     measured = [r for r in results if r["status"] in ("full", "explained", "incomplete", "mismatch")]
-    today = datetime.date.today().isoformat()
+    updates = "".join(f" Rows measured again on {u['date']} (transformers {u['transformers']}, torch {u['torch']}): "
+                      f"{', '.join(u['archs'])}." for u in meta.get("updated", []))
     lines = [
         "# Architecture support",
         "",
-        f"Generated by `bench/coverage.py` on {today} with transformers {transformers.__version__}, "
-        f"torch {torch.__version__}: every model_type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), "
+        f"Generated by `bench/coverage.py` on {meta['date']} with transformers {meta['transformers']}, "
+        f"torch {meta['torch']}: every model_type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), "
         f"built tiny and random-init (fp32, two layers or one per layer kind, experts shrunk), "
         f"{'with LoRA, ' if lora else ''}compiled with `backend=\"fastgrpo\"` (inner=`{inner}`) around a "
-        f"completion log-prob function (batch 2, {seq_len} tokens), forward + backward, compared with eager.",
+        f"completion log-prob function (batch 2, {seq_len} tokens), forward + backward, compared with eager."
+        f"{updates}",
         "",
         "Cells are matched sites / sites the model has (counted on the eager run: RMSNorm-like modules by "
         "class name; for RoPE, attention modules with a matched rotation / attention modules that compute with "
@@ -570,6 +708,13 @@ def write_markdown(results: list[dict], path: Path, inner: str, lora: bool, seq_
         "Equal = log-probs within 1e-5 and every gradient within 1e-4 of its largest eager value (floored at 1e-4 "
         "of the model's largest gradient). Site counts come from the compiled graphs: where a graph break splits "
         "the decoder layers, one compiled layer serves several and the counts are per compiled graph.",
+        "",
+        "Graph breaks are those Dynamo's graph-break log names, including a break in a loop or one it cannot resume "
+        "from, after which it skips the whole frame. A model whose graph breaks at a data-dependent op "
+        "(`Tensor.item()`, `nonzero()`: MoE routing) is measured again under "
+        "`torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)`, as the "
+        "fusion report tells users to: its row is that run's, its status says \"with Dynamo's capture flags\" and "
+        "its notes give the run without them.",
         "",
         "| status | count | meaning |",
         "|---|---|---|",
@@ -584,7 +729,7 @@ def write_markdown(results: list[dict], path: Path, inner: str, lora: bool, seq_
     ]
     for r in sorted(measured, key=lambda r: (list(STATUSES).index(r["status"]), r["arch"])):
         lines.append(
-            f"| {r['arch']} | {r['status']} | {_cell(r, 'rms_norm')} | {_cell(r, 'rope')} | {_cell(r, 'gated_mlp')} | "
+            f"| {r['arch']} | {_status_cell(r)} | {_cell(r, 'rms_norm')} | {_cell(r, 'rope')} | {_cell(r, 'gated_mlp')} | "
             f"{_cell(r, 'selective_logprob')} | {sum(r['graph_breaks'].values())} | {'yes' if r['equal'] else 'NO'} | "
             f"{_notes(r)} |"
         )
@@ -607,12 +752,23 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per architecture")
     parser.add_argument("--md", type=Path, help="markdown output (default for a full sweep: docs/SUPPORT.md)")
     parser.add_argument("--json", type=Path, help="JSON output (default for a full sweep: docs/support.json)")
+    parser.add_argument("--update", action="store_true",
+                        help="measure --archs again and replace their rows in the --json file, then rewrite it and "
+                             "the --md file from every row (defaults docs/support.json, docs/SUPPORT.md)")
     args = parser.parse_args(argv)
     _quiet()
     archs = args.archs.split(",") if args.archs else causal_lm_archs()
-    if not args.archs:
+    if not args.archs or args.update:
         args.md = args.md or REPO / "docs" / "SUPPORT.md"
         args.json = args.json or REPO / "docs" / "support.json"
+    previous = None
+    if args.update:
+        if not args.archs:
+            parser.error("--update needs --archs")
+        previous = json.loads(args.json.read_text())
+        for key, value in (("inner", args.inner), ("lora", args.lora), ("seq_len", args.seq_len)):
+            if previous[key] != value:
+                parser.error(f"--update: {args.json} was measured with {key}={previous[key]!r}, not {value!r}")
     tasks = [(arch, args.inner, args.seq_len, args.lora, args.timeout) for arch in archs]
     results = []
     if args.jobs > 1:
@@ -624,13 +780,21 @@ def main(argv=None) -> int:
         for task in tasks:
             results.append(_worker(task))
             _print(results[-1])
+    today = datetime.date.today().isoformat()
+    meta = {"date": today, "transformers": transformers.__version__,
+            "torch": torch.__version__, "inner": args.inner, "lora": args.lora, "seq_len": args.seq_len}
+    rows = results
+    if previous is not None:  # the sweep's rows, these archs' replaced (or added) in place
+        meta = {key: value for key, value in previous.items() if key != "results"}
+        meta["updated"] = meta.get("updated", []) + [
+            {"date": today, "archs": archs, "transformers": transformers.__version__, "torch": torch.__version__}]
+        fresh = {r["arch"]: r for r in results}
+        rows = [fresh.pop(r["arch"], r) for r in previous["results"]] + list(fresh.values())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-                "torch": torch.__version__, "inner": args.inner, "lora": args.lora, "seq_len": args.seq_len}
-        args.json.write_text(json.dumps({**meta, "results": results}, indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps({**meta, "results": rows}, indent=1, default=str) + "\n")
     if args.md:
-        write_markdown(results, args.md, args.inner, args.lora, args.seq_len)
+        write_markdown(rows, args.md, meta)
     counts: dict[str, int] = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -641,7 +805,7 @@ def main(argv=None) -> int:
 def _print(r: dict) -> None:
     if r["status"] in ("full", "explained", "incomplete", "mismatch"):
         cells = " ".join(f"{p}={_cell(r, p)}" for p in PATTERNS)
-        print(f"{r['arch']:26s} {r['status']:8s} {cells} breaks={sum(r['graph_breaks'].values())} "
+        print(f"{r['arch']:26s} {_status_cell(r):8s} {cells} breaks={sum(r['graph_breaks'].values())} "
               f"equal={r['equal']} {r['seconds']}s  {_notes(r)}", flush=True)
     else:
         print(f"{r['arch']:26s} {r['status']:8s} {r.get('reason', '')} {r['seconds']}s", flush=True)

@@ -86,6 +86,9 @@ run_step() {
       step unsloth_profile 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 --warmup 1 --repeat 2 --profile-at 1024,4096 ;;
     # What is alive at the peak of packed steps (the op keeping gate/up against the act_mul form; the shared prompt).
     memory_peak) step memory_peak 200 "$OURS" python3 bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-1024}" ;;
+    # Launch configurations of the RMSNorm (small widths, plain and with the residual add) and RoPE kernels.
+    kernel_sweeps) step rms_sweep ${RMS_SWEEP_CAP:-150} "$OURS" python3 bench/bench_rms_norm.py --hidden ${RMS_SWEEP_HIDDEN:-576 1536} --sweep ${RMS_SWEEP_KINDS:-}
+      step rope_sweep 60 "$OURS" python3 bench/bench_rope.py --sweep ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac

@@ -441,6 +441,9 @@ def main() -> int:
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="leave Python's collector as it is (by default the fastgrpo systems call gc.freeze() after "
                              "warm-up, as the trainer does after its first step)")
+    parser.add_argument("--mlp-chunk-mib", type=int,
+                        help="bytes of the gated-MLP op's per-chunk projection buffer (default 256 MiB); the systems' "
+                             "names get a _chunk<MiB> suffix")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()
@@ -449,12 +452,18 @@ def main() -> int:
         print(table(results))
         return 0
     completions = [int(c) for c in args.completions.split(",")]
+    if args.mlp_chunk_mib:
+        from fastgrpo.kernels import gated_mlp
+        gated_mlp._CHUNK_BYTES = args.mlp_chunk_mib * 2**20
     profile_at = tuple(int(c) for c in args.profile_at.split(",") if c)
     results = []
     for prompt in [int(p) for p in args.prompt.split(",")]:
         for system in args.systems.split(","):
-            results += run(system, completions, args.warmup, args.repeat, args.tiny, profile_at, prompt,
-                           args.spread, not args.no_gc_freeze)
+            rows = run(system, completions, args.warmup, args.repeat, args.tiny, profile_at, prompt,
+                       args.spread, not args.no_gc_freeze)
+            for row in rows if args.mlp_chunk_mib else ():
+                row["system"] += f"_chunk{args.mlp_chunk_mib}"
+            results += rows
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grpo_step.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import fastgrpo
 from bench.coverage import measure
+from fastgrpo.compiler.report import fusion_summary, is_data_dependent_break
 from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
 from tests.tiny_models import (
     VOCAB, assert_compiled_matches_eager, assert_grads_close, count_modules, eager_then_compiled_model, grads, tiny_model,
@@ -45,6 +46,54 @@ def test_no_graph_break_and_every_site_matched(arch):
         assert not rec["near_misses"], f"{name}: {rec['near_misses']}"
     assert result["equal"], f"output error {result['output_error']:.2e}, gradient error {result['grad_error']:.2e}"
     assert result["status"] == "full"
+
+
+def test_data_dependent_moe_routing_is_one_graph_with_dynamos_capture_flags():
+    """JetMoE routes tokens by .item() on routing tensors: without Dynamo's capture flags the graph breaks there
+    and the fusion summary names the flags; under them (what the sweep measures next) it is one graph, every site
+    matched, equal to eager."""
+    result = measure("jetmoe", inner="eager", seq_len=8)
+    without = result["capture_flags"]["without"]
+    assert without["status"] == "incomplete" and without["graphs"] > 1, without
+    assert any(is_data_dependent_break(reason) for reason in without["graph_breaks"]), without["graph_breaks"]
+    _, problems = fusion_summary([], without["graph_breaks"])
+    fix = "torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)"
+    assert fix in problems[-1], problems
+
+    assert result["graph_breaks"] == {} and result["graphs"] == 1, result["graph_breaks"]
+    for name in PATTERNS:
+        rec, want = result["patterns"][name], result["expected"][name]
+        assert rec["matched"] >= want, f"{name}: {rec['matched']} of {want} sites matched; {rec}"
+        assert not rec["near_misses"], f"{name}: {rec['near_misses']}"
+    assert result["equal"], f"output error {result['output_error']:.2e}, gradient error {result['grad_error']:.2e}"
+    assert result["status"] == "full"
+
+
+def test_python_loop_over_routed_experts_falls_back_to_eager_correctly_and_says_why():
+    """LongCat-Flash loops in Python over the experts that got tokens (`for idx in expert_hit`): a loop of
+    data-dependent length, which Dynamo cannot trace even with its capture flags. The explained fallback: the
+    break is named with its source line, the layers around it are still compiled and matched graph by graph
+    (RMSNorm, RoPE), and the result equals eager."""
+    result = measure("longcat_flash", inner="eager", seq_len=8)
+    assert "without" in result["capture_flags"], result.get("capture_flags")
+    assert result["status"] == "incomplete" and result["graphs"] > 1
+    reasons = " ".join(result["graph_breaks"])
+    assert "data-dependent expression" in reasons and "for expert_idx_tensor in expert_hit" in reasons, reasons
+    for name in ("rms_norm", "rope"):
+        assert result["patterns"][name]["matched"] == result["expected"][name] > 0, result["patterns"][name]
+    assert result["equal"], f"output error {result['output_error']:.2e}, gradient error {result['grad_error']:.2e}"
+
+
+def test_only_data_dependent_graph_breaks_get_the_capture_flags_fix():
+    data_dependent = ("Dynamic shape operator\n  Explanation: Operator `aten.nonzero.default`'s output shape depends on "
+                      "input Tensor data.\n  Hint: Enable tracing of dynamic shape operators with "
+                      "`torch._dynamo.config.capture_dynamic_output_shape_ops = True`")
+    other = "Missing tp_iternext\n  Explanation: Dynamo does not support next() on dict_keyiterator."
+    _, problems = fusion_summary([], {other: 1})
+    assert problems == [f"1x graph break (the code around it runs uncompiled): {other}"]
+    _, problems = fusion_summary([], {other: 1, data_dependent: 3})
+    assert problems[1].startswith("3x graph break") and "capture_dynamic_output_shape_ops=True" in problems[-1]
+    assert len(problems) == 3
 
 
 def test_unsupported_activation_is_explained_and_rope_halves_matched():

@@ -195,6 +195,19 @@ def test_many_rows_and_one_row(device, triton_cpu):
                     device, triton_cpu)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [576, 1536, 4096, 8192])
+@pytest.mark.parametrize("add,grad_sum,weight_grad", [(False, False, False), (False, False, True),
+                                                      (True, True, False), (True, True, True)])
+def test_cuda_every_backward_launch_configuration(H, add, grad_sum, weight_grad):
+    """The benchmark widths through each launch configuration of the backward (plain, with dW,
+    with d(sum) with and without dW), with more row blocks than persistent programs."""
+    c = dict(shape=(4, 1031, H), dtype=torch.bfloat16, add=add, res_dtype=torch.bfloat16, has_weight=True,
+             w_dtype=torch.bfloat16, weight_grad=weight_grad, offset=0.0, weight_in_fp32=False, eps=1e-6,
+             x_layout="contiguous", grad_layout="contiguous", grad_sum=grad_sum, seed=H)
+    _check_case(c, "cuda", True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bit-level agreement with the HF modules' formulas, written out in the same dtype
 # ---------------------------------------------------------------------------------------------

@@ -72,10 +72,30 @@ def format_reports(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Dynamo breaks the graph at an op whose output value or shape depends on tensor data (Tensor.item() and
+# aten._local_scalar_dense, nonzero, torch.where with one argument: MoE routing loops) unless these two flags are
+# set; the hint of every such break names one of them. They cannot be scoped to the backend (torch.compile hides a
+# non-inductor backend's config context behind its wrapper), and setting them on import would change how
+# unrelated code traces: the user sets them.
+CAPTURE_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+CAPTURE_FIX = (
+    "to trace data-dependent ops into the graph instead, set Dynamo's capture flags while it traces: run the "
+    "compiled calls inside `with torch._dynamo.config.patch(capture_scalar_outputs=True, "
+    "capture_dynamic_output_shape_ops=True):` (every call that may compile: a recompile for a new shape outside "
+    "it breaks again), or set both in torch._dynamo.config before training"
+)
+
+
+def is_data_dependent_break(reason: str) -> bool:
+    """Whether a graph break is one that Dynamo's capture flags remove (its hint names one of them)."""
+    return any(flag in reason for flag in CAPTURE_FLAGS)
+
+
 def fusion_summary(reports: list[dict], graph_breaks: dict[str, int]) -> tuple[str, list[str]]:
     """What `reports` fused, in one line, and what was not accelerated, each reason once with its count: the
     near misses of the patterns and Dynamo's graph breaks (`graph_breaks`: reason -> count), whose code between
-    graphs runs eagerly, outside every pattern."""
+    graphs runs eagerly, outside every pattern; when some break is at a data-dependent op, the last entry says
+    how to trace it (Dynamo's capture flags)."""
     matched: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
     problems: dict[str, int] = {}
@@ -96,4 +116,7 @@ def fusion_summary(reports: list[dict], graph_breaks: dict[str, int]) -> tuple[s
     line = f"fastgrpo: {len(reports)} graph(s) compiled; sites fused: {fused}"
     if fallbacks:
         line += " (" + "; ".join(f"{n}x {text}" for text, n in fallbacks.items()) + ")"
-    return line, [f"{n}x {text}" for text, n in problems.items()]
+    lines = [f"{n}x {text}" for text, n in problems.items()]
+    if any(is_data_dependent_break(reason) for reason in graph_breaks):
+        lines.append(f"fix for the graph break(s) at data-dependent ops: {CAPTURE_FIX}")
+    return line, lines

@@ -249,17 +249,30 @@ def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
     return block_row, min(32, max(2, block_row * block_h // 1024))
 
 
-def _bwd_config(H: int, on_cuda: bool, need_dw: bool) -> tuple[int, int, Optional[int]]:
+def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int]]:
     """(rows per program, num_warps, programs per SM) for the backward kernel, whose programs
-    are persistent (they loop over row blocks, prefetching the next). Without dW: 4096 to
-    16384 elements a program, 32 a thread. With dW the fp32 accumulator takes registers:
-    >= 4096 elements a program, 16 a thread, 2 programs per SM."""
+    are persistent (they loop over row blocks, prefetching the next). Each program keeps two
+    row blocks of every input in registers (this one and the prefetched next), so the block
+    shrinks as inputs are added:
+      plain:             4096 to 16384 elements a program, 32 a thread;
+      with dW:           2048 elements a program (or one row), 16 a thread (32 with the residual's
+                         gradient as a third input), 4 programs per SM (2 from 4096 elements), the
+                         fp32 accumulator taking registers too;
+      with d(sum), no dW (the residual add's backward under LoRA, norm weight frozen): 1024
+                         elements a program (or one row), 16 a thread, 8 programs per SM; the
+                         plain rule's larger blocks (up to 16384 elements) run at half speed there
+                         (H = 4096: 548 against 253 us)."""
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None)
     if need_dw:
-        block_row = max(1, 4096 // block_h)
-        return block_row, min(32, block_row * block_h // 512), 2
+        block_row = max(1, 2048 // block_h)
+        elements = block_row * block_h
+        num_warps = elements // (1024 if has_dsum else 512)
+        return block_row, min(32, max(2, num_warps)), (4 if elements <= 2048 else 2)
+    if has_dsum:
+        block_row = max(1, 1024 // block_h)
+        return block_row, min(32, max(2, block_row * block_h // 512)), 8
     block_row = max(1, min(max(4 * block_h, 4096), 16384) // block_h)
     return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4)
 
@@ -355,7 +368,8 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src])
     if weight is not None:
         weight = weight.contiguous()
-    block_row, num_warps, programs_per_sm = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad)
+    block_row, num_warps, programs_per_sm = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
+                                                        grad_sum is not None)
     programs = _bwd_programs(src.device, triton.cdiv(n_rows, block_row), programs_per_sm)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](

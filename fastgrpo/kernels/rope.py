@@ -175,6 +175,16 @@ def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
     _launch_views(views, rotary_dim, interleaved, backward)
 
 
+def _cuda_config(n_heads_q: int, n_heads_k: int, seq_len: int, block_half: int) -> tuple[int, int, int, int]:
+    """(q heads, k heads, positions per program, num_warps). Measured on an H200
+    (bench/bench_rope.py --sweep): one position and all heads per program, 2 warps, keeps the
+    most bytes in flight; more positions per program only for few heads."""
+    block_hq = min(triton.next_power_of_2(n_heads_q), 32)
+    block_hk = min(triton.next_power_of_2(max(n_heads_k, 1)), 32)
+    block_s = max(1, min(triton.next_power_of_2(seq_len), 2048 // (block_hq * 2 * block_half)))
+    return block_hq, block_hk, block_s, 2
+
+
 def _launch_views(views, rotary_dim, interleaved, backward):
     q4, qo4, cq4, sq4 = views[0]
     k4, ko4, ck4, _ = views[-1]
@@ -186,12 +196,7 @@ def _launch_views(views, rotary_dim, interleaved, backward):
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(n_pass) if n_pass > 0 else 0
     if _dispatch.launch_like_cuda(q4):
-        # Measured on an H200 (bench/bench_rope.py): one position and all heads per program,
-        # 2 warps, keeps the most bytes in flight; more positions per program only for few heads.
-        block_hq = min(triton.next_power_of_2(n_heads_q), 32)
-        block_hk = min(triton.next_power_of_2(max(n_heads_k, 1)), 32)
-        block_s = max(1, min(triton.next_power_of_2(seq_len), 2048 // (block_hq * 2 * block_half)))
-        num_warps = 2
+        block_hq, block_hk, block_s, num_warps = _cuda_config(n_heads_q, n_heads_k, seq_len, block_half)
     else:
         # Triton interpreter: few, large programs (interpretation cost is per program).
         block_hq = triton.next_power_of_2(n_heads_q)
