@@ -24,9 +24,7 @@ import argparse
 import datetime
 import gc
 import json
-import logging
 import multiprocessing
-import re
 import signal
 import sys
 import time
@@ -43,7 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import fastgrpo  # noqa: E402
-from fastgrpo.compiler.report import CAPTURE_FLAGS, is_data_dependent_break  # noqa: E402
+from fastgrpo.compiler.report import CAPTURE_FLAGS, GraphBreakLog, is_data_dependent_break  # noqa: E402
 from fastgrpo.compiler.tiny import _SMALL, ALIASES  # noqa: E402
 
 PATTERNS = ("rms_norm", "rope", "gated_mlp", "selective_logprob")
@@ -403,58 +401,6 @@ class _TooLarge(Exception):
     pass
 
 
-class _GraphBreakLog(logging.Handler):
-    """Dynamo's graph-break log (what TORCH_LOGS="graph_breaks" prints), collected while open and printed nowhere.
-    It names every break, where counters["graph_break"] misses two kinds: a break inside a loop or one Dynamo
-    cannot resume from, after which it skips the whole frame (the frame runs eagerly and its callees are compiled
-    one by one: LongCat-Flash's dozen graphs), and a break raised as a UserError, such as a guard on a data-dependent
-    value (a Python loop over the rows of a nonzero(), which even Dynamo's capture flags cannot trace)."""
-
-    _BOILERPLATE = ("For more information", "For extended logs", "If you suspect", "For more debugging help",
-                    "For C++ stack trace")
-
-    def __enter__(self):
-        self.breaks: dict[str, int] = {}
-        self.loggers = [log for log in logging.Logger.manager.loggerDict.values()
-                        if getattr(log, "artifact_name", None) == "graph_breaks"]
-        self.saved = [(log.level, log.propagate) for log in self.loggers]
-        for log in self.loggers:
-            log.setLevel(logging.DEBUG)
-            log.propagate = False
-            log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc_info):
-        for log, (level, propagate) in zip(self.loggers, self.saved):
-            log.removeHandler(self)
-            log.setLevel(level)
-            log.propagate = propagate
-
-    def emit(self, record):
-        message = record.getMessage()
-        found = re.search(r"in user code at (.+?:\d+)\nGraph Break Reason: (.*)", message, re.S)
-        skipped = re.search(r"skip tracing the frame (.+?) and fall back", message)
-        if found:
-            where, reason = found[1], found[2]
-        elif skipped and record.exc_info:  # a frame skipped for a break logged nowhere else: the exception says why
-            where, reason = skipped[1], str(record.exc_info[1])
-        else:  # the verbose copy of a break that Dynamo logs again as one
-            return
-        stack = r"\n(?:User code traceback|Stack variable source attribution|User Stack \(most recent call last\)):"
-        reason = re.split(stack, reason)[0].strip()
-        # Drop what Dynamo says about the bytecode it stopped at ("Encountered graph break when attempting to
-        # trace CALL: ...:") and, for a UserError, its debugging boilerplate; keep the reason itself.
-        first, _, rest = reason.partition("\n")
-        if first.endswith(":") and rest.strip():
-            reason = rest.strip()
-        lines = [line for line in reason.splitlines() if not line.startswith(self._BOILERPLATE)]
-        reason = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-        if "Explanation:" not in reason:  # not one of Dynamo's catalogued breaks: say where it happened
-            reason += f" (at {where})"
-        reason = re.sub(r"[^\s(\"']*/site-packages/", "", reason)  # the same text on every machine
-        self.breaks[reason] = self.breaks.get(reason, 0) + 1
-
-
 def _compiled_run(completion_logps, model, ids, advantages, inner: str, expected: dict) -> dict:
     """Compile `completion_logps` with the fastgrpo backend, run one step and compare with the eager `expected`
     (logps, grads): graphs, graph breaks, what each pattern matched, the errors."""
@@ -465,13 +411,12 @@ def _compiled_run(completion_logps, model, ids, advantages, inner: str, expected
     counters.clear()
     model.zero_grad(set_to_none=True)
     compiled = torch.compile(completion_logps, backend="fastgrpo", options={"inner": inner})
-    with _GraphBreakLog() as log:
+    with GraphBreakLog() as log:
         actual = _step(compiled, ids, advantages)
     actual_grads = _grads(model)
     model.zero_grad(set_to_none=True)
     reports = fastgrpo.fusion_reports()
-    # The log is complete; Dynamo's counter is the fallback if its format ever stops matching.
-    graph_breaks = log.breaks or dict(counters["graph_break"])
+    graph_breaks = log.result()
     if not graph_breaks and len(reports) != 1:
         graph_breaks = {f"{len(reports)} graphs compiled for one call, though Dynamo named no graph break": 1}
     want = expected["logps"]

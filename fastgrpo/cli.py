@@ -43,6 +43,7 @@ def report(argv: list[str]) -> int:
     from torch._dynamo.utils import counters
 
     import fastgrpo
+    from fastgrpo.compiler.report import GraphBreakLog
 
     model = _load(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,9 +54,10 @@ def report(argv: list[str]) -> int:
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="fastgrpo", options={"inner": args.inner})
-    compiled(input_ids=ids, use_cache=False).logits.float().mean().backward()
+    with GraphBreakLog() as log:
+        compiled(input_ids=ids, use_cache=False).logits.float().mean().backward()
     reports = fastgrpo.fusion_reports()
-    breaks = [{"reason": reason, "count": n} for reason, n in counters["graph_break"].items()]
+    breaks = [{"reason": reason, "count": n} for reason, n in log.result().items()]
     if args.json:
         print(json.dumps({"reports": reports, "graph_breaks": breaks}, indent=2))
     else:

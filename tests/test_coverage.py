@@ -4,6 +4,8 @@ matched, dynamic sequence lengths without recompiles, and the inputs the ops can
 
 The architecture sample reuses bench/coverage.py (the full sweep over every causal LM of the
 installed transformers, which writes docs/SUPPORT.md)."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import fastgrpo
 from bench.coverage import measure
-from fastgrpo.compiler.report import fusion_summary, is_data_dependent_break
+from fastgrpo.compiler.report import GraphBreakLog, fusion_summary, is_data_dependent_break
 from fastgrpo.kernels.rms_norm import MAX_HIDDEN_SIZE
 from tests.tiny_models import (
     VOCAB, assert_compiled_matches_eager, assert_grads_close, count_modules, eager_then_compiled_model, grads, tiny_model,
@@ -82,6 +84,30 @@ def test_python_loop_over_routed_experts_falls_back_to_eager_correctly_and_says_
     for name in ("rms_norm", "rope"):
         assert result["patterns"][name]["matched"] == result["expected"][name] > 0, result["patterns"][name]
     assert result["equal"], f"output error {result['output_error']:.2e}, gradient error {result['grad_error']:.2e}"
+
+
+def _doubles_and_logs(x):
+    for _ in range(2):
+        x = x * 2
+        logging.getLogger("fastgrpo.tests").debug("%s", x.sum().item())  # a graph break inside a loop
+    return x + 1
+
+
+def test_graph_break_in_a_loop_is_named_although_dynamo_counts_none():
+    """A break inside a loop makes Dynamo skip the whole frame, which its graph-break counter does not record;
+    the log that the trainer's first-step summary and `fastgrpo report` read names it."""
+    torch._dynamo.reset()
+    counters.clear()
+    with GraphBreakLog() as log:
+        out = torch.compile(_doubles_and_logs, backend="fastgrpo", options={"inner": "eager"})(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 5.0))
+    assert not counters["graph_break"]
+    reasons = " ".join(log.result())
+    assert "graph break in loop" in reasons and "frame skipped: _doubles_and_logs" in reasons, reasons
+    _, problems = fusion_summary([], log.result())
+    assert problems and "graph break" in problems[0]
+    assert all(handler is not log for name in logging.Logger.manager.loggerDict
+               for handler in getattr(logging.getLogger(name), "handlers", []))  # stopped: detached everywhere
 
 
 def test_only_data_dependent_graph_breaks_get_the_capture_flags_fix():

@@ -1,4 +1,6 @@
 """The fusion report: per compiled graph and pattern, what matched where and what did not, and why."""
+import logging
+import re
 from dataclasses import dataclass, field
 
 from fastgrpo.passes import PatternRecord
@@ -89,6 +91,80 @@ CAPTURE_FIX = (
 def is_data_dependent_break(reason: str) -> bool:
     """Whether a graph break is one that Dynamo's capture flags remove (its hint names one of them)."""
     return any(flag in reason for flag in CAPTURE_FLAGS)
+
+
+class GraphBreakLog(logging.Handler):
+    """Dynamo's graph-break log (what TORCH_LOGS="graph_breaks" prints), collected while open (`with`, or
+    start() / stop()) into `breaks` (reason -> count), and printed nowhere unless the user asked for that log.
+    It names every break, where counters["graph_break"] misses two kinds: a break inside a loop or one Dynamo
+    cannot resume from, after which it skips the whole frame (the frame runs eagerly and its callees are compiled
+    one by one: LongCat-Flash's dozen graphs), and a break raised as a UserError, such as a guard on a data-dependent
+    value (a Python loop over the rows of a nonzero(), which even Dynamo's capture flags cannot trace)."""
+
+    _BOILERPLATE = ("For more information", "For extended logs", "If you suspect", "For more debugging help",
+                    "For C++ stack trace")
+
+    def __init__(self):
+        super().__init__()
+        self.breaks: dict[str, int] = {}
+        self.loggers: list[logging.Logger] = []
+        self.saved: list[tuple[int, bool]] = []
+
+    def start(self) -> "GraphBreakLog":
+        if self.loggers:  # already collecting
+            return self
+        self.loggers = [log for log in logging.Logger.manager.loggerDict.values()
+                        if getattr(log, "artifact_name", None) == "graph_breaks"]
+        self.saved = [(log.level, log.propagate) for log in self.loggers]
+        for log in self.loggers:
+            if not log.isEnabledFor(logging.DEBUG):  # the user did not ask for it: enable it for us alone
+                log.setLevel(logging.DEBUG)
+                log.propagate = False
+            log.addHandler(self)
+        return self
+
+    def stop(self) -> None:
+        for log, (level, propagate) in zip(self.loggers, self.saved):
+            log.removeHandler(self)
+            log.setLevel(level)
+            log.propagate = propagate
+        self.loggers, self.saved = [], []
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    def result(self) -> dict[str, int]:
+        """The breaks logged, or Dynamo's counter of breaks if the log named none (should its format change)."""
+        from torch._dynamo.utils import counters
+
+        return dict(self.breaks) or dict(counters["graph_break"])
+
+    def emit(self, record):
+        message = record.getMessage()
+        found = re.search(r"in user code at (.+?:\d+)\nGraph Break Reason: (.*)", message, re.S)
+        skipped = re.search(r"skip tracing the frame (.+?) and fall back", message)
+        if found:
+            where, reason = found[1], found[2]
+        elif skipped and record.exc_info:  # a frame skipped for a break logged nowhere else: the exception says why
+            where, reason = skipped[1], str(record.exc_info[1])
+        else:  # the verbose copy of a break that Dynamo logs again as one
+            return
+        stack = r"\n(?:User code traceback|Stack variable source attribution|User Stack \(most recent call last\)):"
+        reason = re.split(stack, reason)[0].strip()
+        # Drop what Dynamo says about the bytecode it stopped at ("Encountered graph break when attempting to
+        # trace CALL: ...:") and, for a UserError, its debugging boilerplate; keep the reason itself.
+        first, _, rest = reason.partition("\n")
+        if first.endswith(":") and rest.strip():
+            reason = rest.strip()
+        lines = [line for line in reason.splitlines() if not line.startswith(self._BOILERPLATE)]
+        reason = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+        if "Explanation:" not in reason:  # not one of Dynamo's catalogued breaks: say where it happened
+            reason += f" (at {where})"
+        reason = re.sub(r"[^\s(\"']*/site-packages/", "", reason)  # the same text on every machine
+        self.breaks[reason] = self.breaks.get(reason, 0) + 1
 
 
 def fusion_summary(reports: list[dict], graph_breaks: dict[str, int]) -> tuple[str, list[str]]:

@@ -43,7 +43,6 @@ import torch
 import trl
 import trl.trainer
 from accelerate.utils import is_peft_model
-from torch._dynamo.utils import counters
 from transformers import TrainerCallback
 from trl.extras.profiling import profiling_context
 from trl.trainer import grpo_trainer as trl_grpo_trainer
@@ -53,6 +52,7 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.report import GraphBreakLog
 from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import Packer
@@ -526,14 +526,25 @@ class FusionSummary(TrainerCallback):
 
     def __init__(self):
         self.done = False
+        # Dynamo's graph-break log while the first step compiles: unlike its counter it names breaks in loops,
+        # after which Dynamo skips the whole frame, and data-dependent guards (GraphBreakLog).
+        self.graph_breaks = GraphBreakLog()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self.done:
+            self.graph_breaks.start()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.graph_breaks.stop()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.done:
             return
         self.done = True
+        self.graph_breaks.stop()
         if not state.is_world_process_zero:
             return
-        line, problems = fusion_summary(fusion_reports(), dict(counters["graph_break"]))
+        line, problems = fusion_summary(fusion_reports(), self.graph_breaks.result())
         print(line, flush=True)
         if problems:
             warnings.warn("fastgrpo: not accelerated (graphs compiled in this process so far):\n  " + "\n  ".join(problems),
