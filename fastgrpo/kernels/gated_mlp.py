@@ -528,6 +528,7 @@ def _gated_mlp_backward_op(
     need_da = need["gate_a"] or need["up_a"]
     need_dxa_g = ga is not None and (need["x"] or need_da)
     need_dxa_u = ua is not None and (need["x"] or need_da)
+    lora_back = _paired_lora_b(factors)
 
     # fp32 gradient sums over the chunks, one per needed gradient (None until the first chunk's).
     needed = dict(w_gate=need["w_gate"], w_up=need["w_up"], a=need_da, gate_b=need["gate_b"], up_b=need["up_b"],
@@ -538,7 +539,7 @@ def _gated_mlp_backward_op(
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
         _backward_rows(d_out2d[start:end], x2d[start:end], None if saved is None else saved[start:end],
                        w_gate, w_up, fused, factors, a, lora_scale, activation, w_down, down,
-                       need_dxa_g, need_dxa_u, dx2d[start:end] if need["x"] else None, acc)
+                       need_dxa_g, need_dxa_u, lora_back, dx2d[start:end] if need["x"] else None, acc)
     grads = []
     if need["x"]:
         grads.append(dx)
@@ -588,7 +589,7 @@ def _down_backward(d_out_rows, g, u, activation, w_down, down, acc):
 
 
 def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, activation,
-                   w_down, down, need_dxa_g, need_dxa_u, dx_rows, acc):
+                   w_down, down, need_dxa_g, need_dxa_u, lora_back, dx_rows, acc):
     """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
     needed weight and LoRA gradient to its fp32 accumulator in `acc`. A
     function of its own so that the chunk's buffers are freed before the next chunk's exist."""
@@ -611,15 +612,18 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
         dh_rows = _rows_unit_stride(d_out_rows, inter)
     _act_mul_bwd(dh_rows, g, u, dg, du, activation)
     del dh_rows
-    dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc, "gate_b")
-    dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc, "up_b")
-    # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
-    if ga is not None and ga is ua:
-        dxa = dxa_g + dxa_u
-    elif dxa_g is not None and dxa_u is not None:
-        dxa = torch.cat((dxa_g, dxa_u), dim=1)
+    if lora_back is not None:
+        dxa = _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, lora_scale, need_dxa_g, acc)
     else:
-        dxa = dxa_g if dxa_g is not None else dxa_u
+        dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc, "gate_b")
+        dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc, "up_b")
+        if ga is not None and ga is ua:
+            dxa = dxa_g + dxa_u
+        elif dxa_g is not None and dxa_u is not None:
+            dxa = torch.cat((dxa_g, dxa_u), dim=1)
+        else:
+            dxa = dxa_g if dxa_g is not None else dxa_u
+    # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
     dxa = dxa.to(a.dtype) if dxa is not None else None
     if dx_rows is not None:
         if fused is not None:
@@ -633,6 +637,29 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
     _accumulate(acc, "w_up", du.t(), x_rows)
     if "a" in acc:
         _accumulate(acc, "a", dxa.t(), x_cast)
+
+
+def _paired_lora_b(factors):
+    """M with [dg | du] @ M = dL/d(xa) / scale for gate's and up's adapters together, laid out like xa:
+    blockdiag(B_g, B_u) [2I, r_g + r_u] for two A's, [B_g; B_u] [2I, r] for one A that both share (its
+    two terms summed by the GEMM). None unless both projections have adapters of one dtype."""
+    ga, gb, ua, ub = factors
+    if ga is None or ua is None or gb.dtype != ub.dtype:
+        return None
+    return torch.cat((gb, ub)) if ga is ua else torch.block_diag(gb, ub)
+
+
+def _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, scale, need_dxa, acc):
+    """_lora_backward for gate and up at once, from the chunk's [rows, 2I] buffer [dg | du]: the two B
+    gradients as before, and dL/d(xa) for both adapters from one GEMM against _paired_lora_b's matrix
+    (one launch where two products, two scalings and a concatenation took five)."""
+    d = dgu if dgu.dtype == lora_back.dtype else dgu.to(lora_back.dtype)
+    _accumulate(acc, "gate_b", d[:, :inter].t(), lora_g[0])
+    _accumulate(acc, "up_b", d[:, inter:].t(), lora_u[0])
+    if not need_dxa:
+        return None
+    dxa = _mm_fp32(d, lora_back)
+    return dxa if scale == 1.0 else dxa.mul_(scale)
 
 
 def _lora_backward(d_proj, lora, scale, need_dxa, acc, b_name):
