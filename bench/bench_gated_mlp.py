@@ -15,7 +15,8 @@ gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projecti
   is the HF + PEFT arithmetic written out; inductor compiles that; liger is the same matmuls with
   LigerSiLUMulFunction for act*mul (what its SwiGLU MLP does).
   TFLOP/s counts model FLOPs (forward, dx, dW when trained; not fastgrpo's recompute).
-  "saved MiB": memory held between forward and backward beyond the inputs.
+  "saved MiB": memory held between forward and backward beyond the inputs. "host ms": the host's time to
+  issue one fwd+bwd (median of 5, GPU idle at the start; the op issues a dozen or more launches per row chunk).
   fastgrpo walks the tokens in chunks (rows_per_chunk() rows, printed in the header), so its peak
   beyond its output and dx stays under ~2.25 x 256 MiB at any token count (LoRA; full fine-tuning adds
   fp32 weight-gradient accumulators); fastgrpo_saved holds gate and up ([tokens, 2I]) besides.
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +114,7 @@ def bench_mlp(fn, inputs, mode, device):
             with torch.no_grad():
                 return fn(*args)
         ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
-        return ms, None, None
+        return ms, None, None, None
     with torch.no_grad():
         dh = torch.randn_like(fn(*args))
 
@@ -131,7 +133,14 @@ def bench_mlp(fn, inputs, mode, device):
     peak = torch.cuda.max_memory_allocated(device) - base
     # A Llama-8B block step takes ~45 ms: 400 ms of repetitions give ~9 samples (60 ms gave one).
     ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=400)
-    return ms, peak, saved
+    # The host's share: time to issue one step with the GPU idle at its start (nothing inside waits for it).
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - start) * 1e3)
+    return ms, peak, saved, sorted(host)[len(host) // 2]
 
 
 def bench_act_mul(fn, g, u, mode):
@@ -226,12 +235,13 @@ def main():
             flops_fwd, flops_bwd = mlp_flops(hidden, inter, tokens, lora, args.block)
             for mode in ("fwd", "full"):
                 for provider, fn in providers.items():
-                    (ms, lo, hi), peak, saved = bench_mlp(fn, inputs, mode, device)
+                    (ms, lo, hi), peak, saved, host_ms = bench_mlp(fn, inputs, mode, device)
                     flops = flops_fwd + (flops_bwd if mode == "full" else 0)
                     rows.append(dict(op="gated_mlp block" if args.block else "gated_mlp", shape=name, variant="lora" if lora else "plain", mode=mode,
                                      provider=provider, ms=ms, p20=lo, p80=hi, tflops=flops / ms / 1e9,
                                      peak_mib=None if peak is None else peak / 2**20,
-                                     saved_mib=None if saved is None else saved / 2**20, max_abs_err_fwd=err))
+                                     saved_mib=None if saved is None else saved / 2**20, host_ms=host_ms,
+                                     max_abs_err_fwd=err))
             if args.profile and lora:
                 profile(providers["fastgrpo_saved" if args.block else "fastgrpo"], inputs)
             del inputs
@@ -258,14 +268,16 @@ def main():
     chunks = ", ".join(f"{name} {gated_mlp_module.rows_per_chunk(inter, torch.bfloat16)}"
                        for name, (_, inter) in shapes.items())
     print(f"\nGated MLP, bf16, {tokens} tokens, {torch.cuda.get_device_name()}; fastgrpo rows per chunk: {chunks}")
-    print("| op | shape | variant | mode | provider | ms (p20-p80) | TFLOP/s or GB/s | peak MiB | saved MiB | provider ms / fastgrpo ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| op | shape | variant | mode | provider | ms (p20-p80) | host ms | TFLOP/s or GB/s | peak MiB | saved MiB "
+          "| provider ms / fastgrpo ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['gbps']:.0f} GB/s"
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         saved = "" if r.get("saved_mib") is None else f"{r['saved_mib']:.0f}"
+        host = "" if r.get("host_ms") is None else f"{r['host_ms']:.2f}"
         print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['mode']} | {r['provider']} | "
-              f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) | {rate} | {peak} | {saved} | {r['speedup_vs']:.2f} |")
+              f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) | {host} | {rate} | {peak} | {saved} | {r['speedup_vs']:.2f} |")
     if os.environ.get("OUT"):
         suffix = "" if tokens == TOKENS else f"_{tokens}"
         with open(os.path.join(os.environ["OUT"], f"bench_gated_mlp{suffix}.json"), "w") as f:
