@@ -160,6 +160,44 @@ def bench_act_mul(fn, g, u, mode):
     return triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
 
 
+def sweep_act_mul(device, tokens):
+    """GPU time of the act_mul kernels for each (BLOCK_M, BLOCK_N, num_warps) at the benchmark shapes, on g and
+    u laid out as the op holds them (the two halves of one [rows, 2I] buffer); used to set _act_mul_blocks."""
+    import itertools
+
+    import triton.testing
+
+    saved = gated_mlp_module._act_mul_blocks
+    try:
+        for name, (_, inter) in SHAPES.items():
+            gu = torch.randn(tokens, 2 * inter, device=device, dtype=torch.bfloat16)
+            g, u = gu[:, :inter], gu[:, inter:]
+            h = torch.empty(tokens, inter, device=device, dtype=torch.bfloat16)
+            dgu = torch.empty_like(gu)
+            kernels = {
+                "fwd": (lambda: gated_mlp_module._act_mul_fwd_triton(g, u, h, "silu"), 3),
+                "bwd": (lambda: gated_mlp_module._act_mul_bwd_triton(h, g, u, dgu[:, :inter], dgu[:, inter:], "silu"), 5),
+            }
+            for kind, (fn, accesses) in kernels.items():
+                n_bytes = accesses * g.numel() * g.element_size()
+                timings = []
+                for block_m, block_n, num_warps in itertools.product((1, 4, 16, 64), (128, 256, 512, 1024), (2, 4, 8)):
+                    if not 4 <= block_m * block_n // (32 * num_warps) <= 64:
+                        continue
+                    gated_mlp_module._act_mul_blocks = lambda _, c=(block_m, block_n, num_warps): c
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                    timings.append((ms, block_m, block_n, num_warps))
+                gated_mlp_module._act_mul_blocks = saved
+                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                timings.sort()
+                best = ", ".join(f"{m}x{n} w{w}: {ms * 1e3:.0f}us ({n_bytes / (ms * 1e-3) / 1e9:.0f} GB/s)"
+                                 for ms, m, n, w in timings[:5])
+                print(f"act_mul {name} {kind}: now {now * 1e3:.0f}us ({n_bytes / (now * 1e-3) / 1e9:.0f} GB/s); "
+                      f"best: {best}", flush=True)
+    finally:
+        gated_mlp_module._act_mul_blocks = saved
+
+
 def dry_run():
     for block in (False, True):
         for lora in (False, True):
@@ -204,7 +242,10 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top CUDA kernels of the "
                                                               "fastgrpo op (LoRA, last shape)")
     parser.add_argument("--profile-only", action="store_true",
-                        help="no timing table: the top CUDA kernels of the fastgrpo op and of inductor, LoRA")
+                        help="no timing table: the top CUDA kernels of the fastgrpo op and of inductor")
+    parser.add_argument("--sweep-act-mul", action="store_true", help="time the act_mul kernels' launch configurations")
+    parser.add_argument("--profile-variant", choices=("lora", "plain"), default="lora",
+                        help="what --profile-only profiles: LoRA r=16 on a frozen base, or full fine-tuning")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
@@ -212,6 +253,8 @@ def main():
     tokens = args.tokens
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     device = torch.device("cuda")
+    if args.sweep_act_mul:
+        return sweep_act_mul(device, tokens)
     torch._dynamo.config.cache_size_limit = 64
     providers = {"fastgrpo": fastgrpo_mlp(), "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
     if args.block:
@@ -221,9 +264,10 @@ def main():
         providers["liger"] = liger
     if args.profile_only:
         for name, (hidden, inter) in shapes.items():
-            inputs = make_mlp_inputs(hidden, inter, tokens, True, device, args.block)
+            lora = args.profile_variant == "lora"
+            inputs = make_mlp_inputs(hidden, inter, tokens, lora, device, args.block)
             for provider in ("fastgrpo_saved" if args.block else "fastgrpo", "inductor"):
-                print(f"== {name} LoRA, {provider}")
+                print(f"== {name} {args.profile_variant}, {provider}")
                 profile(providers[provider], inputs)
         return
     rows = []

@@ -57,7 +57,7 @@ run_step() {
   case $1 in
     tests) step tests 200 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
     fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS ;;
-    unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 16384 $STEP_ARGS ;;
+    unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
@@ -88,7 +88,14 @@ run_step() {
     memory_peak) step memory_peak 200 "$OURS" python3 bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-1024}" ;;
     # Launch configurations of the RMSNorm (small widths, plain and with the residual add) and RoPE kernels.
     kernel_sweeps) step rms_sweep ${RMS_SWEEP_CAP:-150} "$OURS" python3 bench/bench_rms_norm.py --hidden ${RMS_SWEEP_HIDDEN:-576 1536} --sweep ${RMS_SWEEP_KINDS:-}
-      step rope_sweep 60 "$OURS" python3 bench/bench_rope.py --sweep ;;
+      step rope_sweep 60 "$OURS" python3 bench/bench_rope.py --sweep
+      step act_mul_sweep 90 "$OURS" python3 bench/bench_gated_mlp.py --sweep-act-mul ;;
+    # The gated-MLP block (down projection included) against inductor, eager and Liger; then where the op's GPU
+    # time goes against inductor's (MLP_PROFILE_VARIANT: lora or plain).
+    mlp_block) step mlp_block 200 "$OURS" python3 bench/bench_gated_mlp.py --block ;;
+    mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
+    rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
+    rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac

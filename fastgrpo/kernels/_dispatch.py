@@ -70,6 +70,18 @@ def triton_on_cpu():
         _triton_on_cpu = previous
 
 
+# Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's
+# JIT wrapper (~3 us a call), and a launch computes several - at RoPE's 84 launches a GRPO step that was
+# a few ms of host time in a step the host bounds at short completions.
+def next_power_of_2(n: int) -> int:
+    """Smallest power of 2 >= n (0 for 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def check_dtype(op: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(

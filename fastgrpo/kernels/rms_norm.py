@@ -230,7 +230,7 @@ def _dw_reduce_kernel(
 
 
 def _block_h(H: int) -> int:
-    return triton.next_power_of_2(H)
+    return _dispatch.next_power_of_2(H)
 
 
 # Launch configurations, from a sweep on an H200 (bench/bench_rms_norm.py --sweep, rows 32768,
@@ -333,7 +333,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
         weight = weight.contiguous()
     prod_dtype = torch.promote_types(src_dtype, weight.dtype) if weight is not None else src_dtype
     block_row, num_warps = _fwd_config(H, _dispatch.launch_like_cuda(x))
-    grid = (triton.cdiv(n_rows, block_row),)
+    grid = (_dispatch.cdiv(n_rows, block_row),)
     _rms_norm_fwd_kernel[grid](
         x_, *x_st,
         res_ if res_ is not None else x_, *res_st,
@@ -370,7 +370,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         weight = weight.contiguous()
     block_row, num_warps, programs_per_sm = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                         grad_sum is not None)
-    programs = _bwd_programs(src.device, triton.cdiv(n_rows, block_row), programs_per_sm)
+    programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](
         dy, *dy_st,
@@ -397,8 +397,8 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         return dx, src.new_empty(0)
     dw = torch.empty_like(weight)
     # One pass over the partials per column block (a loop of loads would serialise on latency).
-    block_p = min(512, triton.next_power_of_2(programs))
-    _dw_reduce_kernel[(triton.cdiv(H, 16),)](
+    block_p = min(512, _dispatch.next_power_of_2(programs))
+    _dw_reduce_kernel[(_dispatch.cdiv(H, 16),)](
         dw_partial, dw, programs, H,
         DW_DTYPE=_TL_DTYPES[weight.dtype],
         EMULATE_BF16_RTNE=not src.is_cuda,
