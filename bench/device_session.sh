@@ -55,11 +55,11 @@ step() {  # name, cap seconds, environment, command...
 
 run_step() {
   case $1 in
-    tests) step tests 200 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 90 -rfE --tb=short tests/ ;;
+    tests) step tests 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
     fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
-    liger) for c in 1024 4096 16384; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
+    liger) for c in ${LIGER_COMPLETIONS:-1024 4096 16384}; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
     tests_failed) step tests_failed 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
