@@ -243,7 +243,8 @@ def test_rope_cuda(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_q,n_kv,interleaved", [(12, 2, False), (32, 8, False), (32, 8, True)])
+@pytest.mark.parametrize("n_q,n_kv,interleaved", [(12, 2, False), (32, 8, False), (32, 8, True), (64, 8, False)])
 def test_rope_cuda_model_shapes(n_q, n_kv, interleaved):
+    # 64 q heads (Llama-70B) take the kernel's loop over head blocks; the others load q and k in one block each.
     tensors = make_case(2, 333, n_kv, n_q // n_kv, 128, 128, 7, 2, torch.bfloat16, torch.bfloat16, device="cuda")
     check_case(*tensors, 128, interleaved, "cuda")
