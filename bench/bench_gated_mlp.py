@@ -5,6 +5,7 @@
     python bench/bench_gated_mlp.py --block --shapes qwen2.5-1.5b --tokens 34816 --profile
                                                # the whole MLP block (down projection included), as the
                                                # trainer runs it at 4096 completions, + the op's kernels
+    python bench/bench_gated_mlp.py --sweep-act-mul   # the act_mul kernels' launch configurations
     python bench/bench_gated_mlp.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
 
 gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projection; with --block the
@@ -160,7 +161,7 @@ def bench_act_mul(fn, g, u, mode):
     return triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
 
 
-def sweep_act_mul(device, tokens):
+def sweep_act_mul(device, tokens, shapes):
     """GPU time of the act_mul kernels for each (BLOCK_M, BLOCK_N, num_warps) at the benchmark shapes, on g and
     u laid out as the op holds them (the two halves of one [rows, 2I] buffer); used to set _act_mul_blocks."""
     import itertools
@@ -169,7 +170,7 @@ def sweep_act_mul(device, tokens):
 
     saved = gated_mlp_module._act_mul_blocks
     try:
-        for name, (_, inter) in SHAPES.items():
+        for name, (_, inter) in shapes.items():
             gu = torch.randn(tokens, 2 * inter, device=device, dtype=torch.bfloat16)
             g, u = gu[:, :inter], gu[:, inter:]
             h = torch.empty(tokens, inter, device=device, dtype=torch.bfloat16)
@@ -254,7 +255,7 @@ def main():
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     device = torch.device("cuda")
     if args.sweep_act_mul:
-        return sweep_act_mul(device, tokens)
+        return sweep_act_mul(device, tokens, shapes)
     torch._dynamo.config.cache_size_limit = 64
     providers = {"fastgrpo": fastgrpo_mlp(), "eager": eager_mlp, "inductor": torch.compile(eager_mlp, dynamic=False)}
     if args.block:
