@@ -2,7 +2,9 @@
 
 Compared, on N rows (default 8 x 4096 = 32768) at the Qwen2.5-1.5B (1536, 151936) and
 Llama-3-8B (4096, 128256) lm-head shapes, bf16, frozen weight (d(hidden) only) and trainable:
-  fastgrpo   this op
+  fastgrpo   this op (frozen weight: d logp / d hidden computed in forward, no logits recomputed)
+  fastgrpo_recompute  this op with its recomputing backward forced (what a trainable weight or an
+             entropy gradient gets; the frozen-weight way before 2026-11-30, third session)
   eager      full logits -> float -> log_softmax -> gather (what HF + a naive loss do)
   compiled   torch.compile (inductor) of eager
   trl        full bf16 logits + TRL's selective_log_softmax (imported if trl is installed,
@@ -14,7 +16,8 @@ allocated before it and minus the outputs (logp, d(hidden), d(weight)). The floo
 matmuls the op must do (2*N*H*V FLOPs each: forward logits, backward recompute, d(hidden),
 and d(weight) when trainable) at 790 TFLOP/s (cuBLAS bf16 on 8192^3 on the H200; on these
 lm-head shapes cuBLAS itself reached ~680-700 TFLOP/s). eager/trl/compiled keep the logits
-and do not recompute them, so they need one matmul fewer than the floor counts.
+and do not recompute them, so they need one matmul fewer than the floor counts; so does this
+op with a frozen weight (logits, then probabilities times W, both in forward).
 Liger is compared when liger-kernel is importable (carry its wheel to the GPU machine).
 
     python bench/bench_selective_logprob.py            # GPU: the table (+ JSON to $OUT)
@@ -61,6 +64,14 @@ def fastgrpo_impl(hidden, weight, targets, seqs):
     return slp.selective_logprob(hidden, weight, targets)
 
 
+def fastgrpo_recompute_impl(hidden, weight, targets, seqs):
+    grad_from_forward, slp._grad_from_forward = slp._grad_from_forward, lambda hidden, weight: False
+    try:
+        return slp.selective_logprob(hidden, weight, targets)
+    finally:
+        slp._grad_from_forward = grad_from_forward
+
+
 def eager_impl(hidden, weight, targets, seqs):
     logits = (hidden @ weight.t()).float()
     return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
@@ -89,7 +100,8 @@ def chunked_impl(hidden, weight, targets, seqs, rows=1024):
 
 
 def implementations(device):
-    impls = {"fastgrpo": fastgrpo_impl, "eager": eager_impl, "trl": trl_impl, "chunked": chunked_impl}
+    impls = {"fastgrpo": fastgrpo_impl, "fastgrpo_recompute": fastgrpo_recompute_impl, "eager": eager_impl,
+             "trl": trl_impl, "chunked": chunked_impl}
     if device == "cuda":
         impls["compiled"] = torch.compile(eager_impl, dynamic=False)
     if _ChunkedSelectiveLogProbFunction is not None:
@@ -133,7 +145,8 @@ def forward_extra_bytes(hidden, weight, targets):
 def bench_ms(fn):
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=20, rep=120, quantiles=[0.5, 0.2, 0.8])
+    # 0.5 s of repetitions: several samples of a 100 ms step (120 ms gave one, which a slow first run decided)
+    return triton.testing.do_bench(fn, warmup=100, rep=500, quantiles=[0.5, 0.2, 0.8])
 
 
 def run_table(n, seqs, dtype, device, names):
@@ -147,8 +160,8 @@ def run_table(n, seqs, dtype, device, names):
             for name, impl in impls.items():
                 if names and name not in names:
                     continue
-                if name == "compiled" and weight_grad:
-                    continue  # one compile per shape keeps the run short
+                if (name == "compiled" or name == "fastgrpo_recompute") and weight_grad:
+                    continue  # one compile per shape keeps the run short; a trainable weight always recomputes
                 try:
                     step(impl, hidden, weight, targets, seqs, grad)  # warm-up / compile
                     extra = extra_peak_bytes(impl, hidden, weight, targets, seqs, grad)
@@ -183,11 +196,18 @@ def print_table(rows):
 
 
 def sweep(n, dtype):
-    """Time this op's forward and fwd+bwd under several tile configs (frozen weight)."""
+    """Time this op's forward and fwd+bwd under several tile configs (frozen weight): the forward
+    configurations without and with the gradient computed in forward (no-grad forward alone, and
+    forward + the backward that scales the gradient), the recomputing backward's configurations."""
     # (rows, vocab, block_rows, num_warps). The printed extra memory says which fit in 64 MiB.
+    # Forward: the [R, H] GEMM of the gradient computed in forward fills whole waves of 128 x 128 tiles on 132
+    # SMs at R = 1408 (x 1536 / 128 = 132 tiles) or 2816; 32 MiB of logits at most but for the reference one.
     fwd_configs = [
         slp.TileConfig(1024, 8192, 1, 8),
         slp.TileConfig(2048, 4096, 1, 8),
+        slp.TileConfig(4096, 2048, 1, 8),
+        slp.TileConfig(1408, 4096, 1, 8),
+        slp.TileConfig(2816, 2048, 1, 8),
         slp.TileConfig(512, 16384, 1, 16),
         slp.TileConfig(2048, 8192, 1, 8),  # 64 MiB of logits alone: for reference
     ]
@@ -207,26 +227,32 @@ def sweep(n, dtype):
         del out
         print(f"H={h} V={v}: cuBLAS logits mm {mm_ms:.2f} ms = {mm_flops / mm_ms / 1e9:.0f} TFLOP/s", flush=True)
         results.append(dict(H=h, kind="cublas", mm_ms=mm_ms))
-        defaults = slp.CUDA_FORWARD, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW
+        defaults = slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW
         for cfg in fwd_configs:
-            slp.CUDA_FORWARD = cfg
+            slp.CUDA_FORWARD = slp.CUDA_FORWARD_NARROW = cfg
             try:
                 ms = bench_ms(lambda: slp.selective_logprob(hidden.detach(), weight, targets))[0]
+                with_grad = bench_ms(lambda: step(fastgrpo_impl, hidden, weight, targets, 8, grad))[0]
             except Exception as e:  # a config the compiler or the GPU cannot run
                 print(f"  fwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             extra = forward_extra_bytes(hidden.detach(), weight, targets) / 2**20
+            extra_grad = extra_peak_bytes(fastgrpo_impl, hidden, weight, targets, 8, grad) / 2**20
             results.append(dict(H=h, kind="fwd", cfg=dataclasses.astuple(cfg), ms=ms, extra_mib=extra,
                                 tflops=mm_flops / ms / 1e9))
+            results.append(dict(H=h, kind="fwd_grad", cfg=dataclasses.astuple(cfg), ms=with_grad,
+                                extra_mib=extra_grad, tflops=2 * mm_flops / with_grad / 1e9))
             print(f"  fwd {dataclasses.astuple(cfg)}: {ms:.2f} ms = {mm_flops / ms / 1e9:.0f} TFLOP/s, "
-                  f"extra {extra:.1f} MiB", flush=True)
-        slp.CUDA_FORWARD = defaults[0]
+                  f"extra {extra:.1f} MiB; with the gradient, fwd+bwd {with_grad:.2f} ms = "
+                  f"{2 * mm_flops / with_grad / 1e9:.0f} TFLOP/s, {with_grad / (3 * mm_flops / PEAK_TFLOPS / 1e9):.3f}"
+                  f" x floor, extra {extra_grad:.1f} MiB", flush=True)
+        slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW = defaults[:2]
         fwd_ms = bench_ms(lambda: slp.selective_logprob(hidden.detach(), weight, targets))[0]
         for cfg in bwd_configs:
             slp.CUDA_BACKWARD = slp.CUDA_BACKWARD_NARROW = cfg
             try:
-                ms = bench_ms(lambda: step(fastgrpo_impl, hidden, weight, targets, 8, grad))[0]
-                extra = extra_peak_bytes(fastgrpo_impl, hidden, weight, targets, 8, grad) / 2**20
+                ms = bench_ms(lambda: step(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad))[0]
+                extra = extra_peak_bytes(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad) / 2**20
             except Exception as e:
                 print(f"  bwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -235,7 +261,7 @@ def sweep(n, dtype):
                                 tflops=2 * mm_flops / bwd / 1e9))
             print(f"  bwd {dataclasses.astuple(cfg)}: {bwd:.2f} ms = {2 * mm_flops / bwd / 1e9:.0f} TFLOP/s, "
                   f"extra {extra:.1f} MiB", flush=True)
-        slp.CUDA_FORWARD, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW = defaults
+        slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW = defaults
         del hidden, weight, targets
         torch.cuda.empty_cache()
     return results

@@ -84,8 +84,9 @@ run_step() {
     # Where the step's time goes (kernel categories, GPU busy vs span, the host's cProfile), fastgrpo and Unsloth.
     profile) step profile 170 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions 1024,4096 --warmup 2 --repeat 2 --profile-at 1024,4096
       step unsloth_profile 170 "$PEERS" python3 bench/peers/unsloth_step.py 1024 4096 --warmup 1 --repeat 2 --profile-at 1024,4096 ;;
-    # What is alive at the peak of packed steps (the op keeping gate/up against the act_mul form; the shared prompt).
-    memory_peak) step memory_peak 200 "$OURS" python3 bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-1024}" ;;
+    # What is alive at the peak of a step (MEMORY_PEAK_ARGS; by default the packed steps: the op keeping gate/up
+    # against the act_mul form, and the shared prompt).
+    memory_peak) step memory_peak 200 "$OURS" python3 bench/memory_peak.py ${MEMORY_PEAK_ARGS:---systems fastgrpo_packed,fastgrpo_packed_save,fastgrpo_shared --spread --prompt ${SPREAD_PROMPT:-1024}} ;;
     # Launch configurations of the RMSNorm (small widths, plain and with the residual add) and RoPE kernels.
     kernel_sweeps) step rms_sweep ${RMS_SWEEP_CAP:-150} "$OURS" python3 bench/bench_rms_norm.py --hidden ${RMS_SWEEP_HIDDEN:-576 1536} --sweep ${RMS_SWEEP_KINDS:-}
       step rope_sweep 60 "$OURS" python3 bench/bench_rope.py --sweep
@@ -96,6 +97,9 @@ run_step() {
     mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
     rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
     rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
+    # The lm-head log-prob op against TRL, inductor and Liger (LOGPROB_IMPLS), and its tile configurations.
+    logprob_bench) step logprob_bench 200 "$OURS" python3 bench/bench_selective_logprob.py --impls ${LOGPROB_IMPLS:-fastgrpo fastgrpo_recompute trl compiled liger} ;;
+    logprob_sweep) step logprob_sweep 150 "$OURS" python3 bench/bench_selective_logprob.py --sweep ;;
     mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac

@@ -170,7 +170,8 @@ def _run_every_op():
         targets = torch.tensor([1, 7, -100, 49, 0])
         logp, entropy = selective_logprob(hidden, head, targets, temperature=0.7, softcap=30.0, with_entropy=True)
         (logp.sum() + entropy.sum()).backward()
-        selective_logprob(hidden, head.detach(), targets, logit_scale=0.5).sum().backward()
+        for softcap in (0.0, 30.0):  # the frozen head: the gradient computed in forward
+            selective_logprob(hidden, head.detach(), targets, logit_scale=0.5, softcap=softcap).sum().backward()
 
 
 def test_every_kernel_compiles_for_sm90():

@@ -21,13 +21,25 @@ and d(hidden) as one call on all rows.
 
 How (CUDA): rows go in tiles of R (copied into one padded [R, H] buffer), vocab in tiles of C.
 Forward: cuBLAS writes one fp32 [R, C] logits tile, a Triton row kernel folds it into running
-per-row max / sum-exp / entropy sums / target logit (online log-sum-exp). Backward: cuBLAS
-recomputes the tile, a Triton row kernel turns it in place into d(logits) in the input dtype,
-cuBLAS adds d(logits) @ W into an fp32 [R, H] d(hidden) accumulator (and d(logits).T @ hidden
-into an fp32 [V, H] d(weight) accumulator, only when the weight requires grad; a frozen
-lm_head, the common case, costs nothing more). At most one logits tile exists at a time
-(32 MiB); the extra memory stays under 64 MiB. Saved for backward: hidden, weight (by
-reference), targets, lse fp32 [N] and, with entropy, the entropy fp32 [N]; never logits.
+per-row max / sum-exp / entropy sums / target logit (online log-sum-exp).
+
+Backward, two ways:
+- Frozen weight, gradient enabled (the common case: LoRA or a frozen lm_head): the forward
+  also computes d logp / d hidden = (1 - p_t) W_t - sum_{v != t} p_v W_v (with the scale /
+  soft-cap chain factors), flash-attention style: the row kernel turns each logits tile in
+  place into exp(z - running max) in the input dtype (target column zeroed), and cuBLAS adds
+  it times W into an fp32 [R, H] accumulator that the row kernel rescales when a row's max
+  grows. The target's own term comes from the sum over the other columns, so it does not
+  cancel when p_t is near 1. The backward only scales that [N, H] gradient by d loss / d logp,
+  in place: two matmuls in all, not three. Saved: the gradient [N, H] in hidden's dtype (the
+  memory d(hidden) then takes) besides the inputs and lse.
+- Otherwise (trainable weight, or a gradient reaching the entropy): cuBLAS recomputes each
+  tile, a Triton row kernel turns it in place into d(logits) in the input dtype, cuBLAS adds
+  d(logits) @ W into an fp32 [R, H] d(hidden) accumulator (and d(logits).T @ hidden into an fp32
+  [V, H] d(weight) accumulator, only when the weight requires grad). Saved: hidden, weight (by
+  reference), targets, lse fp32 [N] and, with entropy, the entropy fp32 [N].
+Never logits: at most one logits tile exists at a time (32 MiB); the extra memory beyond
+inputs, outputs and d(hidden) stays under 64 MiB.
 On CPU a torch implementation follows the same contract.
 """
 import dataclasses
@@ -57,19 +69,26 @@ class TileConfig:
     vocab: int  # vocab columns per logits tile (a power of 2: one row-kernel block)
     block_rows: int  # rows per row-kernel program
     num_warps: int
+    block_h: int = 1024  # hidden columns per step where a row kernel walks [R, H] rows
 
 
-# CUDA: one fp32 logits tile is 1024 x 8192 x 4 B = 32 MiB. Backward adds the padded hidden
-# tile (R x H x 2 B) and the fp32 d(hidden) accumulator (R x H x 4 B): 56 MiB at H = 4096.
-# For H <= 2048 the backward takes 2048-row tiles (50 MiB at H = 1536): the d(hidden) GEMM
-# then fills the GPU (1024 x 1536 outputs are under one wave of 128 x 128 tiles on 132 SMs),
-# and d(weight)'s fp32 read-modify-write per row tile halves. Measured on the H200
-# (N = 32768, bf16): backward 60.9 vs 63.9 ms at (1536, 151936).
+# CUDA: one fp32 logits tile is 1024 x 8192 x 4 B = 32 MiB. The recomputing backward, and the
+# forward that computes the gradient, add the padded hidden tile (R x H x 2 B) and an fp32
+# [R, H] accumulator (R x H x 4 B): 56 MiB at H = 4096. For H <= 2048 both take 2048-row
+# tiles (50 MiB at H = 1536): the [R, H] GEMM then fills the GPU (1024 x 1536 outputs are under
+# one wave of 128 x 128 tiles on 132 SMs), and d(weight)'s fp32 read-modify-write per row tile
+# halves. Measured on the H200 (N = 32768, bf16): recomputing backward 60.9 vs 63.9 ms at
+# (1536, 151936); forward with the gradient + its backward 61.4 vs 63.1 ms there (2048 x 8192
+# was 59.4 but holds 82 MiB), and at (4096, 128256) 118.3 ms with 1024 x 8192 (2048 x 4096:
+# 117.7 ms, 80 MiB). The forward with and without the gradient takes the same tiles, so its
+# log-probs are bitwise the same either way (TRL's ratio exp(logp - old_logp) is exactly 1
+# on unchanged weights).
 CUDA_FORWARD = TileConfig(1024, 8192, 1, 8)
+CUDA_FORWARD_NARROW = TileConfig(2048, 4096, 1, 8)
 CUDA_BACKWARD = TileConfig(1024, 8192, 1, 8)
 CUDA_BACKWARD_NARROW = TileConfig(2048, 4096, 1, 8)
 # Triton interpreter (tests on CPU): one program per tile, 2-D blocks.
-INTERPRETER_TILES = TileConfig(32, 128, 32, 4)
+INTERPRETER_TILES = TileConfig(32, 128, 32, 4, 16)
 # Torch path (CPU). Rows x vocab tiles stay under ATen's 32768-element grain so each
 # elementwise op runs single-threaded over one fixed-size buffer: every element takes the
 # same (vectorized) code path wherever its row sits, which keeps results chunk-invariant.
@@ -80,7 +99,9 @@ TORCH_VOCAB = 512
 def _tile_configs(hidden: torch.Tensor) -> tuple[TileConfig, TileConfig]:
     if not launch_like_cuda(hidden):
         return INTERPRETER_TILES, INTERPRETER_TILES
-    return CUDA_FORWARD, CUDA_BACKWARD_NARROW if hidden.shape[1] <= 2048 else CUDA_BACKWARD
+    if hidden.shape[1] <= 2048:
+        return CUDA_FORWARD_NARROW, CUDA_BACKWARD_NARROW
+    return CUDA_FORWARD, CUDA_BACKWARD
 
 
 # --------------------------------------------------------------------------------------
@@ -112,18 +133,26 @@ def _load_logits(z_ptr, local_rows, cols, n_cols, z_scale, cap_in, cap_out, SOFT
 
 @triton.jit
 def _stats_kernel(
-    z_ptr, tgt_ptr, stats_ptr, logp_ptr, ent_ptr, lse_ptr,
-    row0, n_rows, col0, n_cols,
+    z_ptr, tgt_ptr, stats_ptr, logp_ptr, ent_ptr, lse_ptr, p_ptr, acc_ptr,
+    row0, n_rows, col0, n_cols, p_row_stride, hidden_size,
     z_scale, cap_in, cap_out,
-    SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, WRITE_PROBS: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr,
     IGNORE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Fold one logits tile into the running per-row statistics (stats [4, TILE_ROWS]: max,
-    sum exp(z - max), sum exp(z - max) * (z - max), target logit); after the last vocab tile
-    write lse, logp and entropy of the real rows (row0 + r, r < n_rows)."""
+    """Fold one logits tile into the running per-row statistics (stats [5, TILE_ROWS]: max,
+    sum exp(z - max), sum exp(z - max) * (z - max), target logit, sum exp(z - max) over the
+    non-target columns); after the last vocab tile write lse, logp and entropy of the real rows
+    (row0 + r, r < n_rows).
+
+    WRITE_PROBS (the gradient computed in forward): also turn the tile, IN PLACE, into
+    exp(z - max) * dz/dacc with the target column zeroed, in the input dtype (p_ptr aliases
+    z_ptr, row stride p_row_stride), for the GEMM that adds it times W into acc [TILE_ROWS, H];
+    when a row's max grows, its acc row is rescaled to the new max first."""
     local_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
-    z, _ = _load_logits(z_ptr, local_rows, cols, n_cols, z_scale, cap_in, cap_out, SOFTCAP)
+    z, th = _load_logits(z_ptr, local_rows, cols, n_cols, z_scale, cap_in, cap_out, SOFTCAP)
     row_ok = local_rows < n_rows
     tgt = tl.load(tgt_ptr + row0 + local_rows, mask=row_ok, other=IGNORE)
 
@@ -133,11 +162,13 @@ def _stats_kernel(
         l_old = tl.zeros((BLOCK_R,), tl.float32)
         s_old = tl.zeros((BLOCK_R,), tl.float32)
         t = tl.zeros((BLOCK_R,), tl.float32)
+        rest_old = tl.zeros((BLOCK_R,), tl.float32)
     else:
         m_old = tl.load(stats_ptr + local_rows)
         l_old = tl.load(stats_ptr + TILE_ROWS + local_rows)
         s_old = tl.load(stats_ptr + 2 * TILE_ROWS + local_rows)
         t = tl.load(stats_ptr + 3 * TILE_ROWS + local_rows)
+        rest_old = tl.load(stats_ptr + 4 * TILE_ROWS + local_rows)
     m = tl.maximum(m_old, tile_max)
     alpha = tl.exp(m_old - m)
     shifted = z - m[:, None]
@@ -147,7 +178,26 @@ def _stats_kernel(
     if WITH_ENTROPY:
         s = alpha * (s_old + (m_old - m) * l_old) + tl.sum(p * shifted, axis=1)
     # exactly one tile holds the target: the others add 0.0
-    t += tl.sum(tl.where(cols[None, :] + col0 == tgt[:, None], z, 0.0), axis=1)
+    is_target = cols[None, :] + col0 == tgt[:, None]
+    t += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+
+    if WRITE_PROBS:
+        p_rest = tl.where(is_target, 0.0, p)
+        rest = rest_old * alpha + tl.sum(p_rest, axis=1)
+        if SOFTCAP:
+            p_rest = p_rest * (z_scale * (1.0 - th * th))
+        else:
+            p_rest = p_rest * z_scale
+        if not FIRST:  # acc holds the earlier tiles' sum relative to m_old
+            grown = alpha < 1.0
+            for h0 in range(0, hidden_size, BLOCK_H):
+                hs = h0 + tl.arange(0, BLOCK_H)
+                at = acc_ptr + local_rows[:, None].to(tl.int64) * hidden_size + hs[None, :]
+                keep = grown[:, None] & (hs < hidden_size)[None, :]
+                tl.store(at, tl.load(at, mask=keep, other=0.0) * alpha[:, None], mask=keep)
+        tl.debug_barrier()  # every thread's loads of these rows are done before any store
+        out = p_ptr + local_rows[:, None].to(tl.int64) * p_row_stride + cols[None, :]
+        tl.store(out, p_rest.to(p_ptr.dtype.element_ty), mask=(cols < n_cols)[None, :])
 
     if LAST:
         log_l = tl.log(l)
@@ -157,11 +207,54 @@ def _stats_kernel(
         tl.store(logp_ptr + out, tl.where(tgt == IGNORE, 0.0, t - lse), mask=row_ok)
         if WITH_ENTROPY:
             tl.store(ent_ptr + out, log_l - s / l, mask=row_ok)
-    else:
+    if WRITE_PROBS or not LAST:
         tl.store(stats_ptr + local_rows, m)
         tl.store(stats_ptr + TILE_ROWS + local_rows, l)
         tl.store(stats_ptr + 2 * TILE_ROWS + local_rows, s)
         tl.store(stats_ptr + 3 * TILE_ROWS + local_rows, t)
+    if WRITE_PROBS:
+        tl.store(stats_ptr + 4 * TILE_ROWS + local_rows, rest)
+
+
+@triton.jit
+def _grad_from_forward_kernel(
+    acc_ptr, stats_ptr, w_ptr, tgt_ptr, out_ptr,
+    row0, n_rows, hidden_size, w_row_stride, w_col_stride,
+    z_scale, cap_out,
+    SOFTCAP: tl.constexpr, IGNORE: tl.constexpr, TILE_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """d logp / d hidden of the real rows of one row tile, from the forward's sums:
+    (1 - p_t) dz_t/dacc W_t - sum_{v != t} p_v dz_v/dacc W_v
+      = (rest * dz_t/dacc * W_t - acc) / l
+    with rest = sum over the non-target columns of exp(z - max) (so 1 - p_t never comes from
+    a cancelling 1 - exp(...)) and acc = sum_{v != t} exp(z_v - max) dz_v/dacc W_v. Rows whose
+    target is ignored get zeros."""
+    local_rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = local_rows < n_rows
+    tgt = tl.load(tgt_ptr + row0 + local_rows, mask=row_ok, other=IGNORE)
+    live = row_ok & (tgt != IGNORE)
+    l = tl.load(stats_ptr + TILE_ROWS + local_rows)
+    z_t = tl.load(stats_ptr + 3 * TILE_ROWS + local_rows)
+    rest = tl.load(stats_ptr + 4 * TILE_ROWS + local_rows)
+    if SOFTCAP:
+        th_t = z_t / cap_out
+        coef = rest * (z_scale * (1.0 - th_t * th_t)) / l
+    else:
+        coef = rest * z_scale / l
+    coef = tl.where(live, coef, 0.0)
+    inv_l = tl.where(live, 1.0 / l, 0.0)
+    w_rows = tl.where(live, tgt, 0).to(tl.int64) * w_row_stride
+    for h0 in range(0, hidden_size, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < hidden_size
+        acc = tl.load(acc_ptr + local_rows[:, None].to(tl.int64) * hidden_size + hs[None, :],
+                      mask=h_ok[None, :], other=0.0)
+        w_t = tl.load(w_ptr + w_rows[:, None] + hs[None, :] * w_col_stride,
+                      mask=live[:, None] & h_ok[None, :], other=0.0)
+        g = coef[:, None] * w_t.to(tl.float32) - acc * inv_l[:, None]
+        out = out_ptr + (row0 + local_rows)[:, None].to(tl.int64) * hidden_size + hs[None, :]
+        tl.store(out, g.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
@@ -291,29 +384,46 @@ class _TileWalk:
             yield c0, cols, z
 
 
-def _forward_triton(hidden, weight, targets, scales: _Scales, with_entropy: bool):
-    n = hidden.shape[0]
+def _forward_triton(hidden, weight, targets, scales: _Scales, with_entropy: bool, grad_from_forward: bool):
+    n, h = hidden.shape
     v = weight.shape[0]
     cfg, _ = _tile_configs(hidden)
     f32 = dict(device=hidden.device, dtype=torch.float32)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n if with_entropy else 0, **f32)
+    grad = torch.empty((n, h) if grad_from_forward else (0,), device=hidden.device, dtype=hidden.dtype)
     if n == 0:
-        return logp, entropy, lse
-    stats = torch.empty((4, cfg.rows), **f32)
+        return logp, entropy, lse, grad
+    stats = torch.empty((5, cfg.rows), **f32)
     walk = _TileWalk(hidden, weight, cfg)
+    acc = torch.empty((cfg.rows, h), **f32) if grad_from_forward else stats
+    probs_flat = walk.z_flat.view(hidden.dtype)  # the probabilities overwrite the logits in place
+    probs_per_z = probs_flat.numel() // walk.z_flat.numel()
+    grid = (cfg.rows // cfg.block_rows,)
     for r0, rows in walk.rows():
         for c0, cols, z in walk.vocab():
-            _stats_kernel[(cfg.rows // cfg.block_rows,)](
-                z, targets, stats, logp, entropy, lse,
-                r0, rows, c0, cols,
+            probs_stride = cols * probs_per_z  # row r of the probabilities starts where row r of z does
+            _stats_kernel[grid](
+                z, targets, stats, logp, entropy, lse, probs_flat, acc,
+                r0, rows, c0, cols, probs_stride, h,
                 scales.z_scale, scales.cap_in, scales.cap_out,
-                SOFTCAP=scales.softcap, WITH_ENTROPY=with_entropy,
+                SOFTCAP=scales.softcap, WITH_ENTROPY=with_entropy, WRITE_PROBS=grad_from_forward,
                 FIRST=c0 == 0, LAST=c0 + cfg.vocab >= v, IGNORE=IGNORE_INDEX,
-                TILE_ROWS=cfg.rows, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.vocab,
+                TILE_ROWS=cfg.rows, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.vocab, BLOCK_H=cfg.block_h,
                 num_warps=cfg.num_warps,
             )
-    return logp, entropy, lse
+            if grad_from_forward:
+                probs = probs_flat.as_strided((cfg.rows, cols), (probs_stride, 1))
+                _mm_into(acc, probs, weight[c0:c0 + cols], accumulate=c0 > 0)
+        if grad_from_forward:
+            _grad_from_forward_kernel[grid](
+                acc, stats, weight, targets, grad,
+                r0, rows, h, weight.stride(0), weight.stride(1),
+                scales.z_scale, scales.cap_out,
+                SOFTCAP=scales.softcap, IGNORE=IGNORE_INDEX, TILE_ROWS=cfg.rows,
+                BLOCK_R=cfg.block_rows, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
+            )
+    return logp, entropy, lse, grad
 
 
 def _backward_triton(g_logp, g_ent, hidden, weight, targets, lse, entropy, scales: _Scales, weight_grad: bool):
@@ -382,15 +492,18 @@ def _padded_rows(src: torch.Tensor, r0: int, rows: int, fill, dtype=None) -> tor
     return out
 
 
-def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool):
+def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool, grad_from_forward: bool):
     """Same tiling contract on CPU: fixed TORCH_ROWS x TORCH_VOCAB tiles (rows padded), online
-    log-sum-exp over vocab tiles in a fixed order, fp32 throughout."""
-    n, _ = hidden.shape
+    log-sum-exp over vocab tiles in a fixed order, fp32 throughout; with grad_from_forward the
+    same sums as the Triton path's (_stats_kernel, _grad_from_forward_kernel) give d logp / d hidden."""
+    n, h = hidden.shape
     v = weight.shape[0]
     f32 = dict(device=hidden.device, dtype=torch.float32)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n if with_entropy else 0, **f32)
+    grad = torch.empty((n, h) if grad_from_forward else (0,), device=hidden.device, dtype=hidden.dtype)
     z_buf = torch.empty((TORCH_ROWS, TORCH_VOCAB), **f32)
+    acc = torch.empty((TORCH_ROWS, h), **f32)
     for r0, rows in _row_tiles(n):
         h_tile = _padded_rows(hidden, r0, rows, 0.0, torch.float32)
         tgt = _padded_rows(targets, r0, rows, IGNORE_INDEX)
@@ -398,8 +511,10 @@ def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool)
         l = torch.zeros(TORCH_ROWS, **f32)
         s = torch.zeros(TORCH_ROWS, **f32)
         t = torch.zeros(TORCH_ROWS, **f32)
+        rest = torch.zeros(TORCH_ROWS, **f32)
+        acc.zero_()
         for c0 in range(0, v, TORCH_VOCAB):
-            _logits_tile_torch(h_tile, weight, c0, scales, z_buf)
+            cols, th = _logits_tile_torch(h_tile, weight, c0, scales, z_buf)
             m_new = torch.maximum(m, z_buf.amax(dim=1))
             alpha = torch.exp(m - m_new)
             shifted = z_buf - m_new[:, None]
@@ -410,6 +525,11 @@ def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool)
             local = tgt - c0
             here = (local >= 0) & (local < TORCH_VOCAB)
             t = t + torch.where(here, z_buf.gather(1, local.clamp(0, TORCH_VOCAB - 1)[:, None])[:, 0], 0.0)
+            if grad_from_forward:
+                p[here, local[here]] = 0.0
+                rest = rest * alpha + p.sum(dim=1)
+                p.mul_(scales.z_scale if th is None else scales.z_scale * (1.0 - th * th))
+                acc.mul_(alpha[:, None]).addmm_(p[:, :cols], weight[c0:c0 + cols].float())
             m = m_new
         log_l = torch.log(l)
         row_lse = m + log_l
@@ -417,7 +537,13 @@ def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool)
         logp[r0:r0 + rows] = torch.where(tgt == IGNORE_INDEX, 0.0, t - row_lse)[:rows]
         if with_entropy:
             entropy[r0:r0 + rows] = (log_l - s / l)[:rows]
-    return logp, entropy, lse
+        if grad_from_forward:
+            live = tgt != IGNORE_INDEX
+            dz_t = scales.z_scale * (1.0 - (t / scales.cap_out) ** 2) if scales.softcap else scales.z_scale
+            w_t = weight[tgt.clamp(min=0)].float()
+            tile_grad = torch.where(live[:, None], ((rest * dz_t)[:, None] * w_t - acc) / l[:, None], 0.0)
+            grad[r0:r0 + rows] = tile_grad[:rows]
+    return logp, entropy, lse, grad
 
 
 def _backward_torch(g_logp, g_ent, hidden, weight, targets, lse, entropy, scales: _Scales, weight_grad: bool):
@@ -461,22 +587,35 @@ def _backward_torch(g_logp, g_ent, hidden, weight, targets, lse, entropy, scales
 @torch.library.custom_op("fastgrpo::selective_logprob_fwd", mutates_args=())
 def selective_logprob_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-    temperature: float, logit_scale: float, softcap: float, with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp fp32 [N], entropy fp32 [N] or [0], lse fp32 [N]); lse is kept for the backward."""
+    temperature: float, logit_scale: float, softcap: float, with_entropy: bool, grad_from_forward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp fp32 [N], entropy fp32 [N] or [0], lse fp32 [N], grad [N, H] in hidden.dtype or [0]);
+    lse is kept for the backward; grad (with grad_from_forward) is d logp / d hidden."""
     _check_inputs(hidden, weight, targets, temperature, logit_scale, softcap)
     scales = _Scales.of(temperature, logit_scale, softcap)
-    if use_triton(hidden):
-        return _forward_triton(hidden, weight, targets, scales, with_entropy)
-    return _forward_torch(hidden, weight, targets, scales, with_entropy)
+    impl = _forward_triton if use_triton(hidden) else _forward_torch
+    return impl(hidden, weight, targets, scales, with_entropy, grad_from_forward)
 
 
 @selective_logprob_fwd.register_fake
-def _(hidden, weight, targets, temperature, logit_scale, softcap, with_entropy):
+def _(hidden, weight, targets, temperature, logit_scale, softcap, with_entropy, grad_from_forward):
     _check_inputs(hidden, weight, targets, temperature, logit_scale, softcap)
-    n = hidden.shape[0]
+    n, h = hidden.shape
     f32 = dict(device=hidden.device, dtype=torch.float32)
-    return torch.empty(n, **f32), torch.empty(n if with_entropy else 0, **f32), torch.empty(n, **f32)
+    grad = hidden.new_empty((n, h) if grad_from_forward else (0,))
+    return torch.empty(n, **f32), torch.empty(n if with_entropy else 0, **f32), torch.empty(n, **f32), grad
+
+
+@torch.library.custom_op("fastgrpo::selective_logprob_scale_grad_", mutates_args=("grad",))
+def selective_logprob_scale_grad_(grad: torch.Tensor, grad_logp: torch.Tensor) -> None:
+    """grad [N, H] *= grad_logp [N] (fp32) row by row, in place: the forward's d logp / d hidden
+    becomes d loss / d hidden in the same memory (one rounding, from fp32 to grad's dtype)."""
+    grad.mul_(grad_logp.float()[:, None])
+
+
+@selective_logprob_scale_grad_.register_fake
+def _(grad, grad_logp):
+    return None
 
 
 @torch.library.custom_op("fastgrpo::selective_logprob_bwd", mutates_args=())
@@ -505,29 +644,37 @@ def _(grad_logp, grad_entropy, hidden, weight, targets, lse, entropy, temperatur
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, temperature, logit_scale, softcap, with_entropy = inputs
-    _, entropy, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+    hidden, weight, targets, temperature, logit_scale, softcap, with_entropy, grad_from_forward = inputs
+    _, entropy, lse, grad = output
+    ctx.mark_non_differentiable(lse, grad)
+    ctx.set_materialize_grads(False)  # an entropy nobody differentiates arrives as None, not zeros
+    ctx.save_for_backward(hidden, weight, targets, lse, entropy, grad)
     ctx.args = (temperature, logit_scale, softcap)
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    hidden, weight, targets, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_grad):
+    hidden, weight, targets, lse, entropy, grad = ctx.saved_tensors
+    none = (None,) * 6
     if grad_logp is None:
         grad_logp = lse.new_zeros(lse.shape)
     if grad_entropy is None or entropy.numel() == 0:
         grad_entropy = lse.new_empty(0)
     weight_grad = ctx.needs_input_grad[1]
     if not (ctx.needs_input_grad[0] or weight_grad):
-        return None, None, None, None, None, None, None
+        return None, None, *none
+    if grad.numel() > 0 and grad_entropy.numel() == 0 and not weight_grad:
+        # The forward computed d logp / d hidden: scale it in place (its memory becomes d(hidden);
+        # a second backward through this node is refused by autograd's saved-tensor version check).
+        torch.ops.fastgrpo.selective_logprob_scale_grad_(grad, grad_logp)
+        return grad, None, *none
+    # Recompute the logits: d(weight), d(entropy), or no gradient from the forward.
     d_hidden, d_weight = torch.ops.fastgrpo.selective_logprob_bwd(
         grad_logp, grad_entropy, hidden, weight, targets, lse, entropy, *ctx.args, weight_grad
     )
     return (
         d_hidden if ctx.needs_input_grad[0] else None,
         d_weight if weight_grad else None,
-        None, None, None, None, None,
+        *none,
     )
 
 
@@ -544,10 +691,19 @@ _lib.define(
 
 
 def _selective_logprob_composite(hidden, weight, targets, temperature, logit_scale, softcap, with_entropy):
-    logp, entropy, _ = torch.ops.fastgrpo.selective_logprob_fwd(
-        hidden, weight, targets, temperature, logit_scale, softcap, with_entropy
+    logp, entropy, _, _ = torch.ops.fastgrpo.selective_logprob_fwd(
+        hidden, weight, targets, temperature, logit_scale, softcap, with_entropy,
+        _grad_from_forward(hidden, weight),
     )
     return logp, entropy
+
+
+def _grad_from_forward(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the forward also computes d logp / d hidden. With a frozen weight the backward then
+    needs no GEMM: two matmuls in all instead of three (the logits are not recomputed). The price
+    is that [N, H] in hidden's dtype is held from forward to backward, where it becomes d(hidden)
+    in place. When the weight is trainable, d(weight) needs the logits again anyway."""
+    return torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
 
 
 _lib.impl("selective_logprob", _selective_logprob_composite, "CompositeImplicitAutograd")
