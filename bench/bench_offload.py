@@ -183,7 +183,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--inner", default="inductor", help="the fastgrpo backend's inner compiler")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
-    parser.add_argument("--system", default="fastgrpo", choices=["fastgrpo", "fastgrpo_mlp_op"],
+    parser.add_argument("--system", default="fastgrpo", choices=["fastgrpo", "fastgrpo_save"],
                         help="backend options as in grpo_step.py: the gated MLP keeping gate/up, or the MLP op")
     args = parser.parse_args()
     modes = args.modes.split(",")

@@ -39,7 +39,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 OURS="PYTHONPATH=/tmp/site_t:/tmp/site:$PWD"
 PEERS="PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache HF_HOME=/tmp/hf_home"
 STEP_ARGS=${STEP_ARGS:-"--warmup 1 --repeat 2"}
-COMPLETIONS=${COMPLETIONS:-1024,4096,16384}  # of the fastgrpo, actmul and mlp_op steps
+COMPLETIONS=${COMPLETIONS:-1024,4096,16384}  # of the fastgrpo, actmul and save steps
 # The single-GPU tests see one GPU (with two visible, a plain Trainer would use nn.DataParallel, which GRPOTrainer
 # refuses); tests_distributed and scaling see them all.
 ONE_GPU="CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}"
@@ -68,7 +68,7 @@ run_step() {
     packed) step packed 220 "$OURS" python3 bench/grpo_step.py --systems fastgrpo,fastgrpo_packed,fastgrpo_shared --spread --prompt "${SPREAD_PROMPT:-256}" --completions 4096 $STEP_ARGS ;;
     unsloth_spread) step unsloth_spread 180 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
-    offload_mlp_op) step offload_mlp_op 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_mlp_op --completions 4096,16384 $STEP_ARGS ;;
+    offload_save) step offload_save 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_save --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
     generation) step generation 120 "$OURS" python3 bench/bench_generation.py ;;
     long_run) step long_run ${LONG_RUN_CAP:-200} "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
@@ -100,12 +100,12 @@ run_step() {
     # The lm-head log-prob op against TRL, inductor and Liger (LOGPROB_IMPLS), and its tile configurations.
     logprob_bench) step logprob_bench 200 "$OURS" python3 bench/bench_selective_logprob.py --impls ${LOGPROB_IMPLS:-fastgrpo fastgrpo_recompute trl compiled liger} ;;
     logprob_sweep) step logprob_sweep 150 "$OURS" python3 bench/bench_selective_logprob.py --sweep ;;
-    mlp_op) step mlp_op 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_mlp_op --completions $COMPLETIONS $STEP_ARGS ;;
+    save) step save 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_save --completions $COMPLETIONS $STEP_ARGS ;;
     *) echo "unknown step $1" ;;
   esac
 }
 
-STEPS=${*:-tests fastgrpo unsloth inductor liger eager packed unsloth_spread offload qlora generation long_run mlp_op}
+STEPS=${*:-tests fastgrpo unsloth inductor liger eager packed unsloth_spread offload qlora generation long_run save}
 for s in $STEPS; do
   if [[ $s == *+* ]]; then
     # a+b+c: run side by side and wait for all. Only for steps whose numbers are per process (correctness,

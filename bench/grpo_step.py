@@ -7,23 +7,25 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   eager     TRL's way: full logits, per-row bf16 log_softmax + gather
   inductor  the same, decoder layers compiled by inductor (one region per layer)
   liger     Liger rope/rms_norm/swiglu + LigerFusedLinearGRPOLoss on hidden states
-  fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob
-            (backend option save_mlp_projections=True: the gated-MLP op, down projection included,
-            keeps the gate and up projections, as the TRL integration does under gradient
-            checkpointing with padded batches; on CUDA the checkpointed layer inputs are offloaded
-            to host memory, the integration's default there)
+  fastgrpo  decoder layers compiled with backend="fastgrpo" + fastgrpo::selective_logprob; on CUDA
+            the checkpointed layer inputs are offloaded to host memory (the integration's default
+            there). The gated-MLP op, down projection included, keeps only x and recomputes the
+            projections in its backward, and the offloaded checkpoint's recompute of a layer skips the
+            MLP altogether (its output feeds only the residual add): what the TRL integration does
+            with offloaded checkpointing and padded batches
+  fastgrpo_save  the same with the op keeping the gate and up projections (save_mlp_projections=True;
+            the recompute then runs the gate/up matmul to save them): the integration's form under
+            checkpointing without offloading, and the `fastgrpo` row of this file before 2026-11-30's
+            third session
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
-            (absorb_mlp_projections=False: autograd keeps gate, up and the product; the
-            integration's form before save_mlp_projections)
-  fastgrpo_mlp_op  the same with the gated-MLP op recomputing the projections (its recompute is
-            paid twice under checkpointing: less memory, more time)
+            (absorb_mlp_projections=False: autograd keeps gate, up and the product)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
   fastgrpo_packed  fastgrpo_actmul on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
             on CUDA, log-probs only at completion positions); the plan and mask are built inside
             the timed step. The act_mul form, as the TRL integration runs packed batches
   fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
-  fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo): more
+  fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
 --spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
 (`spread_lengths`, fixed seed: the same batch for every system and for
@@ -51,19 +53,20 @@ import torch
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 DYNAMIC = True  # one compile serves every completion length
 # fastgrpo variants: backend options of each.
-# Checkpointing is on in every system here, so fastgrpo's gated-MLP op keeps the gate and up projections with
-# padded batches and the MLP takes its act_mul form with packed ones (what the TRL integration does then);
-# the other variants measure the alternatives.
-_CHECKPOINTED = {"save_mlp_projections": True}
+# Checkpointing is on in every system here (offloaded on CUDA), so fastgrpo's gated-MLP op recomputes the
+# projections in its backward while the checkpoint's recompute skips the MLP with padded batches, and the MLP
+# takes its act_mul form with packed ones (what the TRL integration does then); the other variants measure the
+# alternatives.
+_SAVED_PROJECTIONS = {"save_mlp_projections": True}
 _ACT_MUL = {"absorb_mlp_projections": False}
 FASTGRPO_OPTIONS = {
-    "fastgrpo": _CHECKPOINTED,
+    "fastgrpo": None,
+    "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
-    "fastgrpo_mlp_op": None,
     "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob"]},
     "fastgrpo_packed": _ACT_MUL,
     "fastgrpo_shared": _ACT_MUL,
-    "fastgrpo_packed_save": _CHECKPOINTED,
+    "fastgrpo_packed_save": _SAVED_PROJECTIONS,
 }
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False}

@@ -547,6 +547,32 @@ def test_saved_projections_keep_gate_and_up_only(with_down):
     assert out.shape == (rows, hidden if with_down else inter)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("save_projections", [False, True])
+@pytest.mark.parametrize("down", ["lora", "none"])
+def test_checkpoint_recompute_computes_only_what_is_saved(path, save_projections, down):
+    """skip_output_on_recompute: inside checkpoint_recompute() the output is zeros and the saved projections are
+    bitwise those of a full forward (the backward that reads them is unchanged); outside it, or without the flag,
+    the op computes everything."""
+    from fastgrpo.kernels._dispatch import checkpoint_recompute
+
+    c = chunk_case("both", torch.bfloat16, down=down, save_projections=save_projections)
+    x, w_gate, w_up, factors, down_args, _ = mlp_leaves(c)
+    w_down, da, db = down_args if down_args is not None else (None, None, None)
+    op = torch.ops.fastgrpo.gated_mlp
+    args = (x, w_gate, w_up, *factors, c["scale"], c["activation"], w_down, da, db, 0.75, save_projections)
+    calls = []
+    with path_ctx(path), rows_per_chunk(16):  # several chunks
+        full_out, full_saved = op(*args, True)
+        with checkpoint_recompute():
+            out, saved = op(*args, True)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: calls.append(t) or t, lambda t: t):
+                unflagged_out, _ = op(*args, False)
+    assert not torch.any(full_out == 0) and torch.equal(out, torch.zeros_like(full_out))
+    assert torch.equal(saved, full_saved) and saved.numel() == (x.numel() // 20 * 100 if save_projections else 0)
+    assert torch.equal(unflagged_out, full_out) and calls  # the flag alone decides; autograd still saves
+
+
 def test_act_mul_saves_gate_and_up():
     gate, up = torch.randn(2, 6, 10, requires_grad=True).unbind(0)
     _, saved = _saved(act_mul, gate, up)
@@ -590,6 +616,7 @@ def test_opcheck():
     torch.library.opcheck(op.gated_mlp, (xg, w_gate, w_up, a, b, None, None, 0.5, "silu", w_down, da, db, 2.0, True))
     torch.library.opcheck(op.gated_mlp, (xg, w_gate, w_up, None, None, None, None, 1.0, "silu", w_down, None, None,
                                          1.0, False))
+    torch.library.opcheck(op.gated_mlp, (xg, w_gate, w_up, a, b, None, None, 0.5, "silu", w_down, da, db, 2.0, True, True))
     d_out = torch.randn(3, 8, 12)
     saved = torch.randn(24, 20)
     torch.library.opcheck(op.gated_mlp_backward,

@@ -103,22 +103,36 @@ def hf_checkpoint_must_not_run(*args, **kwargs):
     raise AssertionError("HF's checkpoint ran inside offloaded checkpointing")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compiled_layers(arch):
-    """Layers compiled one region each by the fastgrpo backend; the checkpoint stays outside them."""
+@pytest.mark.parametrize("arch,save_projections", [("llama", False), ("llama", True), ("qwen3", True), ("gemma2", False)])
+def test_compiled_layers(arch, save_projections, monkeypatch):
+    """Layers compiled one region each by the fastgrpo backend; the checkpoint stays outside them. Where the MLP's
+    output only reaches the layer's output through the residual add, the checkpoint's recompute of a layer skips
+    the MLP (its activation and down projection; all of it when the op recomputes the projections in backward
+    anyway): the full MLP forward runs once per layer and step. Gemma2's post-feedforward norm saves the MLP's
+    output, so there the recompute computes it. The gradients are unchanged either way."""
+    from fastgrpo.kernels import gated_mlp as gated_mlp_ops
+
+    full_mlp_forwards = []
+    forward_rows = gated_mlp_ops._forward_rows
+    monkeypatch.setattr(gated_mlp_ops, "_forward_rows", lambda *a: full_mlp_forwards.append(1) or forward_rows(*a))
     torch._dynamo.reset()
     model = make(arch, lora=True)
     ids, mask = batch()
     reference = step(model, ids, mask)
     compiled = make(arch, lora=True)
     fastgrpo.clear_fusion_reports()
-    fastgrpo.compile_repeated_blocks(compiled.get_base_model(), options=EAGER)
+    fastgrpo.compile_repeated_blocks(compiled.get_base_model(), options=EAGER | {"save_mlp_projections": save_projections})
     handle = enable_offloaded_checkpointing(compiled)
     for _ in range(2):
         assert_same(reference, step(compiled, ids, mask))
+    skips = arch != "gemma2"
+    assert len(full_mlp_forwards) == (2 if skips else 4) * LAYERS
     # The layer graphs went through the backend (the rewrite happened) and hold no offload logic.
     reports = fastgrpo.fusion_reports()
     assert reports and sum(r["patterns"]["rms_norm"]["matched"] for r in reports) > 0
+    mlp_sites = [site for r in reports for site in r["patterns"]["gated_mlp"]["sites"]]
+    recompute = "output skipped in checkpoint recompute" if skips else "output computed in checkpoint recompute"
+    assert mlp_sites and all(recompute in site["form"] for site in mlp_sites)
     assert handle.stats.offloaded == 2 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
 
 

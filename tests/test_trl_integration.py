@@ -357,14 +357,18 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_mini_batch=0)
 
 
-def test_checkpointed_layers_keep_the_mlp_projections(tmp_path):
-    """Under gradient checkpointing (TRL's default) the gated-MLP op keeps gate/up on CUDA with padded batches
-    instead of recomputing them a second time; with packing (CUDA's default) and on CPU the MLP keeps the act_mul
-    form; a user's own backend options win; without checkpointing the options are the user's alone."""
+def test_checkpointed_layers_mlp_form(tmp_path):
+    """Under gradient checkpointing (TRL's default) with padded batches on CUDA: with offloaded checkpointing (the
+    CUDA default) the gated-MLP op keeps only x, since the checkpoint's recompute skips it; under HF's checkpoint
+    it keeps gate/up instead of recomputing them a second time. With packing (CUDA's default) and on CPU the MLP
+    keeps the act_mul form; a user's own backend options win; without checkpointing the options are the user's
+    alone."""
     from tests.tiny_models import trainer_rule
 
     act_mul = {"absorb_mlp_projections": False}
-    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False) == {"save_mlp_projections": True}
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False) == {}
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False,
+                        fastgrpo_offload_checkpointing=False) == {"save_mlp_projections": True}
     assert trainer_rule("_compile_options", tmp_path, "cuda") == act_mul  # packing: "auto", on for CUDA
     assert trainer_rule("_compile_options", tmp_path, "cpu") == act_mul
     mine = {"save_mlp_projections": False, "inner": "aot_eager"}

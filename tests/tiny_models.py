@@ -108,5 +108,6 @@ def trainer_rule(rule: str, tmp_path, device: str, **config):
 
     args = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
     trainer = SimpleNamespace(args=args, accelerator=SimpleNamespace(device=torch.device(device)))
-    trainer._packing_on = MethodType(F.GRPOTrainer._packing_on, trainer)  # a rule other rules consult
+    for consulted in ("_packing_on", "_offload_on"):  # rules other rules consult
+        setattr(trainer, consulted, MethodType(getattr(F.GRPOTrainer, consulted), trainer))
     return getattr(F.GRPOTrainer, rule)(trainer)

@@ -11,7 +11,9 @@ host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
 - backward: when layer i's recompute asks for its input, the copy of layer i-1's input back to the
   device starts on the side stream, so it overlaps layer i's recompute and backward;
 - host buffers are pinned, one per layer, kept across steps and re-allocated only when a larger
-  input arrives; the last layer's input stays on the device (its backward comes first).
+  input arrives; the last layer's input stays on the device (its backward comes first);
+- the recompute runs inside `_dispatch.checkpoint_recompute()`: ops whose output the compiler proved
+  feeds no saved tensor (the gated-MLP op before the residual add) compute only what they save.
 
 Without CUDA the same code runs with synchronous copies into plain host buffers (CPU tests exercise
 it; on a CPU-only machine the "offload" saves nothing).
@@ -56,6 +58,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
+from fastgrpo.kernels._dispatch import checkpoint_recompute
 
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"
@@ -153,18 +156,30 @@ class OffloadHandle:
         if args and isinstance(args[0], torch.Tensor):
             hidden, rest = args[0], args[1:]
 
-            def run(hidden_states, *rest_args, **kw):
+            def forward(hidden_states, *rest_args, **kw):
                 return call(block, hidden_states, *rest_args, **kw)
         elif isinstance(kwargs.get(HIDDEN_KWARG), torch.Tensor):
             hidden, rest = kwargs.pop(HIDDEN_KWARG), args
 
-            def run(hidden_states, *rest_args, **kw):
+            def forward(hidden_states, *rest_args, **kw):
                 return call(block, *rest_args, **{HIDDEN_KWARG: hidden_states}, **kw)
         else:
             raise TypeError(
                 f"offloaded checkpointing: {type(block).__name__} was called without a tensor as its first "
                 f"argument or as `{HIDDEN_KWARG}=`; cannot tell which input to offload"
             )
+        calls = 0
+
+        def run(*run_args, **kw):
+            # The first call is the forward; torch's checkpoint calls again only to recompute the layer's saved
+            # tensors and throws the outputs away: ops the compiler proved feed no saved tensor skip their output.
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return forward(*run_args, **kw)
+            with checkpoint_recompute():
+                return forward(*run_args, **kw)
+
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
         self._target = (hidden, layer)

@@ -7,6 +7,7 @@ through Triton's interpreter inside `triton_on_cpu()`.
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -68,6 +69,27 @@ def triton_on_cpu():
         yield
     finally:
         _triton_on_cpu = previous
+
+
+_recompute = threading.local()
+
+
+@contextlib.contextmanager
+def checkpoint_recompute():
+    """Marks a gradient checkpoint's re-run of a forward whose outputs are thrown away (torch's non-reentrant
+    checkpoint re-runs a layer only for the tensors it saves). An op whose output the compiler proved feeds
+    nothing that is saved (`skip_output_on_recompute`) may then compute only what it saves. Thread-local: the
+    recompute runs on autograd's thread."""
+    previous = getattr(_recompute, "active", False)
+    _recompute.active = True
+    try:
+        yield
+    finally:
+        _recompute.active = previous
+
+
+def in_checkpoint_recompute() -> bool:
+    return getattr(_recompute, "active", False)
 
 
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's

@@ -3,7 +3,8 @@
 
     torch.ops.fastgrpo.gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
                                  lora_scale, activation, w_down, down_lora_a, down_lora_b,
-                                 down_lora_scale, save_projections) -> (out, saved_projections)
+                                 down_lora_scale, save_projections, skip_output_on_recompute)
+        -> (out, saved_projections)
     torch.ops.fastgrpo.act_mul(gate, up, activation) -> h
 
 gated_mlp matches HF + PEFT (vanilla LoRA, no dropout):
@@ -25,6 +26,12 @@ empty otherwise) and backward reads them instead of recomputing them: the form f
 gradient-checkpointed layers, whose forward runs twice already.
 With w_down, h is recomputed per chunk in backward (for the down weight and LoRA gradients), so
 neither h nor dh is ever full size. Weight gradients are produced only for inputs that require them.
+
+skip_output_on_recompute (set by the FX pass only where the output reaches the graph's outputs through
+additions and casts alone, so no saved tensor depends on it): inside `_dispatch.checkpoint_recompute()` - a
+gradient checkpoint re-running the layer for its saved tensors, its outputs thrown away - the op
+computes only what it saves (the projections with save_projections, nothing otherwise) and returns
+zeros. The recompute then costs the gate/up matmul or nothing, instead of the whole MLP.
 
 Forward and backward walk the rows of x in chunks (rows_per_chunk(): a chunk's g/u buffer is
 about 256 MiB), so apart from the output, the saved projections and the incoming gradient no
@@ -447,12 +454,18 @@ def _add_loras_(g, u, lora_g, lora_u, scale):
         _add_lora_(u, lora_u, scale)
 
 
-def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, w_down, down, out_rows, gu_rows):
-    # One chunk, in a function of its own so that its buffers are freed before the next
-    # chunk's are allocated.
+def _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, gu_rows):
+    """g and u of some rows, LoRA included, written into gu_rows (a new buffer if None)."""
     g, u, _ = _gate_up(x_rows, w_gate, w_up, gu_rows)
     _, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
     _add_loras_(g, u, lora_g, lora_u, lora_scale)
+    return g, u
+
+
+def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, activation, w_down, down, out_rows, gu_rows):
+    # One chunk, in a function of its own so that its buffers are freed before the next
+    # chunk's are allocated.
+    g, u = _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, gu_rows)
     h_rows = out_rows if w_down is None else torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
     _act_mul_fwd(g, u, h_rows, activation)
     if w_down is not None:
@@ -471,28 +484,37 @@ def _gated_mlp_op(
     lora_scale: float, activation: str,
     w_down: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
     down_lora_b: torch.Tensor | None = None, down_lora_scale: float = 1.0, save_projections: bool = False,
+    skip_output_on_recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, saved projections): out is h, or down(h) when w_down is given; the second output holds
-    the gate/up projections (LoRA included) for backward when save_projections, else it is empty."""
+    the gate/up projections (LoRA included) for backward when save_projections, else it is empty.
+    With skip_output_on_recompute, inside a checkpoint's recompute out is zeros (module docstring)."""
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     _check_gated_mlp(x, w_gate, w_up, *factors, activation, w_down, down_lora_a, down_lora_b)
     inter = w_gate.shape[0]
     x2d = x.reshape(-1, x.shape[-1])
     width = _out_width(w_gate, w_down)
-    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+    skip_output = skip_output_on_recompute and _dispatch.in_checkpoint_recompute()
+    out = (torch.zeros if skip_output else torch.empty)(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     out2d = out.view(-1, width)
     gu = _saved_projections(x, w_gate, save_projections)
+    if skip_output and not save_projections:
+        return out, gu  # the recompute re-saves x: nothing to compute
     a = _lora_a(factors)
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
-        _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, activation, w_down, down,
-                      out2d[start:end], gu[start:end] if save_projections else None)
+        if skip_output:
+            _projections_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, gu[start:end])
+        else:
+            _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, activation, w_down, down,
+                          out2d[start:end], gu[start:end] if save_projections else None)
     return out, gu
 
 
 @_gated_mlp_op.register_fake
 def _(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation,
-      w_down=None, down_lora_a=None, down_lora_b=None, down_lora_scale=1.0, save_projections=False):
+      w_down=None, down_lora_a=None, down_lora_b=None, down_lora_scale=1.0, save_projections=False,
+      skip_output_on_recompute=False):
     _check_gated_mlp(x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, activation,
                      w_down, down_lora_a, down_lora_b)
     out = torch.empty(*x.shape[:-1], _out_width(w_gate, w_down), dtype=x.dtype, device=x.device)
@@ -690,7 +712,7 @@ def _(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lo
 
 def _gated_mlp_setup_context(ctx, inputs, output):
     (x, w_gate, w_up, ga, gb, ua, ub, lora_scale, activation,
-     w_down, down_a, down_b, down_scale, save_projections) = inputs
+     w_down, down_a, down_b, down_scale, save_projections, _skip_output_on_recompute) = inputs
     ctx.save_for_backward(x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b,
                           output[1] if save_projections else None)
     ctx.lora_scale, ctx.activation, ctx.down_scale = lora_scale, activation, down_scale
@@ -702,18 +724,18 @@ def _gated_mlp_setup_context(ctx, inputs, output):
 
 def _gated_mlp_backward(ctx, d_out, _d_saved_projections):
     if d_out is None:  # the output was not used
-        return (None,) * 14
+        return (None,) * 15
     x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b, saved = ctx.saved_tensors
     grad_inputs = (x, w_gate, w_up, ga, gb, ua, ub, w_down, down_a, down_b)
     # ctx.needs_input_grad follows gated_mlp's arguments: the 7 tensors, lora_scale, activation, then w_down, A, B
     # (trailing arguments left at their defaults are not listed).
-    flags = (*ctx.needs_input_grad, *[False] * 14)
+    flags = (*ctx.needs_input_grad, *[False] * 15)
     flags = (*flags[:7], *flags[9:12])
     needs = [bool(n) and t is not None for n, t in zip(flags, grad_inputs)]
     grads = iter(_gated_mlp_backward_op(d_out, x, w_gate, w_up, ga, gb, ua, ub, ctx.lora_scale, ctx.activation, needs,
                                         w_down, down_a, down_b, ctx.down_scale, saved))
     grad_of = [next(grads) if n else None for n in needs]
-    return (*grad_of[:7], None, None, *grad_of[7:], None, None)
+    return (*grad_of[:7], None, None, *grad_of[7:], None, None, None)
 
 
 _gated_mlp_op.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

@@ -7,7 +7,11 @@ instead and recomputes only the activation and the product.
 
 The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
 alone reads the product: then neither the product h (which the down adapter's autograd would
-save) nor its gradient exists in full, only chunk by chunk inside the op.
+save) nor its gradient exists in full, only chunk by chunk inside the op. When the op's output
+reaches the graph's outputs through additions and casts alone (the residual add of a decoder layer
+without a post-MLP norm), no saved tensor depends on it, and the op is told so (`skip_output_on_recompute`):
+an offloaded checkpoint's recompute of the layer then skips the activation and the down projection,
+and without save_mlp_projections the whole MLP.
 
 Anchor: `act(g) * u` (either order) with act = SiLU (also written `g * sigmoid(g)`) or
 tanh-GELU; other activations (exact GELU, ReLU, squared ReLU, swish with a slope) are
@@ -214,14 +218,28 @@ def _scaled_lora_b(graph: fx.Graph, lora_b, scale):
     return graph.call_function(operator.mul, (lora_b, scale))
 
 
+def _reaches_outputs_only_through_additions(node: fx.Node) -> bool:
+    """Whether every use of node is the graph's output, or an addition or a dtype cast (whose backward needs
+    no operand's value: PEFT casts its LoRA result back) whose own uses are the same: then no tensor saved
+    for backward depends on node's value."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        if not is_kind(user, "add", "sub", "cast") or not _reaches_outputs_only_through_additions(user):
+            return False
+    return True
+
+
 def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Projection, up: _Projection,
-                down: _Down | None, save_projections: bool) -> None:
+                down: _Down | None, save_projections: bool) -> bool:
+    """Puts the op in place of the MLP; returns whether it may skip its output on a checkpoint's recompute."""
     inter = shape(product)[-1]
     scales = {p.scale for p in (gate, up) if p.scale is not None}
     # The op takes one Python-float scale. A symbolic scale, or two different ones, is folded into each
     # B factor instead (a [I, r] multiply; exact for PEFT's usual power-of-two alpha / r).
     fold = len(scales) > 1 or any(isinstance(s, fx.Node) for s in scales)
     output = product if down is None else down.output
+    skip_output_on_recompute = _reaches_outputs_only_through_additions(output)
     with graph.inserting_before(output):
         args = [gate.x, _weight_half(graph, gate.weight, inter), _weight_half(graph, up.weight, inter)]
         for p in (gate, up):
@@ -237,7 +255,8 @@ def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Proje
             if isinstance(down_scale, fx.Node):
                 down_b, down_scale = _scaled_lora_b(graph, down_b, down_scale), 1.0
             args += [down.weight, down.lora_a, down_b, down_scale]
-        new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default, (*args, save_projections))
+        new = graph.call_function(torch.ops.fastgrpo.gated_mlp.default,
+                                  (*args, save_projections, skip_output_on_recompute))
         result = graph.call_function(operator.getitem, (new, 0))
     propagate_meta(new, product)
     propagate_meta(result, output)
@@ -248,6 +267,7 @@ def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Proje
             saved = example.new_empty((rows, 2 * inter) if save_projections else (0,))
         new.meta["example_value"] = (example, saved)
     output.replace_all_uses_with(result)
+    return skip_output_on_recompute
 
 
 def _emit_fallback(graph: fx.Graph, product: fx.Node, activation: str, g: fx.Node, u: fx.Node) -> None:
@@ -303,13 +323,14 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
                 down, with_down = _down_projection(product), "with down projection"
             except Unabsorbable as why:
                 down, with_down = None, f"down projection not absorbed: {why}"
-            _emit_fused(graph, product, activation, gate, up, down, options.save_mlp_projections)
+            skips = _emit_fused(graph, product, activation, gate, up, down, options.save_mlp_projections)
             erase_unused(graph, [*gate.nodes[::-1], *up.nodes[::-1], *act_nodes, product,
                                  *(down.nodes if down is not None else ())])
             lora = "LoRA " if gate.lora_a is not None or up.lora_a is not None else ""
             fused = "fused gate_up, " if isinstance(gate.weight, tuple) else ""
             keeps = "saves projections" if options.save_mlp_projections else "recomputes projections"
-            record.match(site, f"gated_mlp ({fused}{lora}{activation}, {keeps}; {with_down})")
+            recompute = "output skipped in checkpoint recompute" if skips else "output computed in checkpoint recompute"
+            record.match(site, f"gated_mlp ({fused}{lora}{activation}, {keeps}; {with_down}; {recompute})")
         except Unabsorbable as why:
             _emit_fallback(graph, product, activation, g, u)
             erase_unused(graph, [*act_nodes, product])
