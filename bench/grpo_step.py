@@ -27,6 +27,8 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
+  fastgrpo_packed_op  fastgrpo_packed with the gated-MLP op keeping only x (as fastgrpo): the checkpoint's
+            recompute skips the MLP (not measured yet; the candidate for the integration's packed form)
 --spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
 (`spread_lengths`, fixed seed: the same batch for every system and for
 bench/peers/unsloth_step.py --spread); padded systems get the batch right-padded to its
@@ -67,9 +69,10 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_packed": _ACT_MUL,
     "fastgrpo_shared": _ACT_MUL,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
+    "fastgrpo_packed_op": None,
 }
 # Packed variants: whether the group's prompt is shared.
-PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False}
+PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False, "fastgrpo_packed_op": False}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:

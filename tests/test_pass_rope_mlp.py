@@ -251,3 +251,37 @@ def test_saved_projections_keep_gate_and_up_only(arch):
                         if t.dim() and t.shape[-1] in (inter, 2 * inter) and t.numel() == tokens * t.shape[-1]]
     assert shapes["saved"] == [(tokens, 2 * inter)]
     assert len(shapes["act_mul"]) >= 3
+
+
+class _MLPBlock(torch.nn.Module):
+    """x + down(silu(gate(x)) * up(x)), then `tail` of (x, mlp_out): what follows a layer's MLP."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+        self.down = torch.nn.Linear(24, 16, bias=False)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(x, self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+def _break_then_norm(x, y):
+    torch._dynamo.graph_break()
+    return x + F.rms_norm(y, (16,))
+
+
+@pytest.mark.parametrize("tail,skips", [
+    (lambda x, y: x + y.float().to(x.dtype), True),  # the residual add (through casts): nothing saves y
+    (lambda x, y: x + F.rms_norm(y, (16,)), False),  # a post-MLP norm saves y
+    (lambda x, y: (x + y, y), False),  # y itself returned: whoever reads it may save it
+    (_break_then_norm, False),  # y crosses a graph break into a graph that saves it
+], ids=["residual", "post_norm", "returned", "graph_break"])
+def test_output_skipped_in_checkpoint_recompute_only_when_nothing_saves_it(tail, skips):
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    block = _MLPBlock(tail)
+    torch.compile(block, backend="fastgrpo", options={"inner": "eager"})(torch.randn(2, 5, 16))
+    forms = [site["form"] for r in _records("gated_mlp") for site in r["sites"]]
+    assert forms and all(f.endswith(f"output {'skipped' if skips else 'computed'} in checkpoint recompute)")
+                         for f in forms), forms

@@ -27,9 +27,10 @@ gradient-checkpointed layers, whose forward runs twice already.
 With w_down, h is recomputed per chunk in backward (for the down weight and LoRA gradients), so
 neither h nor dh is ever full size. Weight gradients are produced only for inputs that require them.
 
-skip_output_on_recompute (set by the FX pass only where the output reaches the graph's outputs through
-additions and casts alone, so no saved tensor depends on it): inside `_dispatch.checkpoint_recompute()` - a
-gradient checkpoint re-running the layer for its saved tensors, its outputs thrown away - the op
+skip_output_on_recompute (set by the FX pass only where the output flows, through casts and the residual
+add alone, into the graph's one returned tensor, so no saved tensor depends on it): inside
+`_dispatch.checkpoint_recompute()` - a gradient checkpoint re-running the layer for its saved tensors,
+its outputs thrown away - the op
 computes only what it saves (the projections with save_projections, nothing otherwise) and returns
 zeros. The recompute then costs the gate/up matmul or nothing, instead of the whole MLP.
 

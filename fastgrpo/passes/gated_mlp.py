@@ -8,7 +8,7 @@ instead and recomputes only the activation and the product.
 The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
 alone reads the product: then neither the product h (which the down adapter's autograd would
 save) nor its gradient exists in full, only chunk by chunk inside the op. When the op's output
-reaches the graph's outputs through additions and casts alone (the residual add of a decoder layer
+only flows, through casts and the residual add, into the graph's one returned tensor (a decoder layer
 without a post-MLP norm), no saved tensor depends on it, and the op is told so (`skip_output_on_recompute`):
 an offloaded checkpoint's recompute of the layer then skips the activation and the down projection,
 and without save_mlp_projections the whole MLP.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
 from fastgrpo.passes._fx import (
@@ -218,14 +219,20 @@ def _scaled_lora_b(graph: fx.Graph, lora_b, scale):
     return graph.call_function(operator.mul, (lora_b, scale))
 
 
-def _reaches_outputs_only_through_additions(node: fx.Node) -> bool:
-    """Whether every use of node is the graph's output, or an addition or a dtype cast (whose backward needs
-    no operand's value: PEFT casts its LoRA result back) whose own uses are the same: then no tensor saved
-    for backward depends on node's value."""
+def _only_summed_into_the_output(node: fx.Node, summed: bool = False) -> bool:
+    """Whether node's value only flows, through dtype casts and at least one addition (a residual add), into the
+    graph's single returned tensor: then no tensor saved for backward depends on it (neither casts nor additions
+    save an operand's value; PEFT casts its LoRA result back). A graph cut short by a graph break returns what
+    the code after the break reads, which may save it: the op's own output returned, or a graph with more than
+    one returned tensor, does not count."""
     for user in node.users:
         if user.op == "output":
-            continue
-        if not is_kind(user, "add", "sub", "cast") or not _reaches_outputs_only_through_additions(user):
+            if not summed or sum(isinstance(v, fx.Node) for v in pytree.tree_leaves(user.args)) != 1:
+                return False
+        elif is_kind(user, "add", "sub"):
+            if not _only_summed_into_the_output(user, summed=True):
+                return False
+        elif not is_kind(user, "cast") or not _only_summed_into_the_output(user, summed):
             return False
     return True
 
@@ -239,7 +246,7 @@ def _emit_fused(graph: fx.Graph, product: fx.Node, activation: str, gate: _Proje
     # B factor instead (a [I, r] multiply; exact for PEFT's usual power-of-two alpha / r).
     fold = len(scales) > 1 or any(isinstance(s, fx.Node) for s in scales)
     output = product if down is None else down.output
-    skip_output_on_recompute = _reaches_outputs_only_through_additions(output)
+    skip_output_on_recompute = _only_summed_into_the_output(output)
     with graph.inserting_before(output):
         args = [gate.x, _weight_half(graph, gate.weight, inter), _weight_half(graph, up.weight, inter)]
         for p in (gate, up):
