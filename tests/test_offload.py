@@ -103,7 +103,8 @@ def hf_checkpoint_must_not_run(*args, **kwargs):
     raise AssertionError("HF's checkpoint ran inside offloaded checkpointing")
 
 
-@pytest.mark.parametrize("arch,save_projections", [("llama", False), ("llama", True), ("qwen3", True), ("gemma2", False)])
+@pytest.mark.parametrize("arch,save_projections", [("llama", False), ("llama", True), ("qwen3", True), ("phi3", False),
+                                                   ("gemma2", False)])
 def test_compiled_layers(arch, save_projections, monkeypatch):
     """Layers compiled one region each by the fastgrpo backend; the checkpoint stays outside them. Where the MLP's
     output only reaches the layer's output through the residual add, the checkpoint's recompute of a layer skips

@@ -273,10 +273,11 @@ def _break_then_norm(x, y):
 
 @pytest.mark.parametrize("tail,skips", [
     (lambda x, y: x + y.float().to(x.dtype), True),  # the residual add (through casts): nothing saves y
+    (lambda x, y: x + F.dropout(y, 0.1, True), True),  # dropout saves a mask drawn whatever y is (Phi3)
     (lambda x, y: x + F.rms_norm(y, (16,)), False),  # a post-MLP norm saves y
     (lambda x, y: (x + y, y), False),  # y itself returned: whoever reads it may save it
     (_break_then_norm, False),  # y crosses a graph break into a graph that saves it
-], ids=["residual", "post_norm", "returned", "graph_break"])
+], ids=["residual", "dropout", "post_norm", "returned", "graph_break"])
 def test_output_skipped_in_checkpoint_recompute_only_when_nothing_saves_it(tail, skips):
     fastgrpo.clear_fusion_reports()
     torch._dynamo.reset()

@@ -27,12 +27,12 @@ gradient-checkpointed layers, whose forward runs twice already.
 With w_down, h is recomputed per chunk in backward (for the down weight and LoRA gradients), so
 neither h nor dh is ever full size. Weight gradients are produced only for inputs that require them.
 
-skip_output_on_recompute (set by the FX pass only where the output flows, through casts and the residual
-add alone, into the graph's one returned tensor, so no saved tensor depends on it): inside
+skip_output_on_recompute (set by the FX pass only where the output flows, through casts, dropout and the
+residual add alone, into the graph's one returned tensor, so no saved tensor depends on it): inside
 `_dispatch.checkpoint_recompute()` - a gradient checkpoint re-running the layer for its saved tensors,
-its outputs thrown away - the op
-computes only what it saves (the projections with save_projections, nothing otherwise) and returns
-zeros. The recompute then costs the gate/up matmul or nothing, instead of the whole MLP.
+its outputs thrown away - the op computes only what it saves (the projections with save_projections,
+nothing otherwise) and returns zeros. The recompute then costs the gate/up matmul or nothing, instead
+of the whole MLP.
 
 Forward and backward walk the rows of x in chunks (rows_per_chunk(): a chunk's g/u buffer is
 about 256 MiB), so apart from the output, the saved projections and the incoming gradient no

@@ -8,7 +8,7 @@ instead and recomputes only the activation and the product.
 The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
 alone reads the product: then neither the product h (which the down adapter's autograd would
 save) nor its gradient exists in full, only chunk by chunk inside the op. When the op's output
-only flows, through casts and the residual add, into the graph's one returned tensor (a decoder layer
+only flows, through casts, dropout and the residual add, into the graph's one returned tensor (a decoder layer
 without a post-MLP norm), no saved tensor depends on it, and the op is told so (`skip_output_on_recompute`):
 an offloaded checkpoint's recompute of the layer then skips the activation and the down projection,
 and without save_mlp_projections the whole MLP.
@@ -220,11 +220,12 @@ def _scaled_lora_b(graph: fx.Graph, lora_b, scale):
 
 
 def _only_summed_into_the_output(node: fx.Node, summed: bool = False) -> bool:
-    """Whether node's value only flows, through dtype casts and at least one addition (a residual add), into the
-    graph's single returned tensor: then no tensor saved for backward depends on it (neither casts nor additions
-    save an operand's value; PEFT casts its LoRA result back). A graph cut short by a graph break returns what
-    the code after the break reads, which may save it: the op's own output returned, or a graph with more than
-    one returned tensor, does not count."""
+    """Whether node's value only flows, through dtype casts, dropout and at least one addition (a residual add),
+    into the graph's single returned tensor: then no tensor saved for backward depends on it. Casts and additions
+    save no operand's value (PEFT casts its LoRA result back); dropout (Phi3's residual dropout) saves a mask
+    drawn from the RNG whatever the values, and the checkpoint replays the RNG. A graph cut short by a graph break
+    returns what the code after the break reads, which may save it: the op's own output returned, or a graph with
+    more than one returned tensor, does not count."""
     for user in node.users:
         if user.op == "output":
             if not summed or sum(isinstance(v, fx.Node) for v in pytree.tree_leaves(user.args)) != 1:
@@ -232,7 +233,7 @@ def _only_summed_into_the_output(node: fx.Node, summed: bool = False) -> bool:
         elif is_kind(user, "add", "sub"):
             if not _only_summed_into_the_output(user, summed=True):
                 return False
-        elif not is_kind(user, "cast") or not _only_summed_into_the_output(user, summed):
+        elif not is_kind(user, "cast", "dropout") or not _only_summed_into_the_output(user, summed):
             return False
     return True
 
