@@ -162,13 +162,11 @@ def _stats_kernel(
         l_old = tl.zeros((BLOCK_R,), tl.float32)
         s_old = tl.zeros((BLOCK_R,), tl.float32)
         t = tl.zeros((BLOCK_R,), tl.float32)
-        rest_old = tl.zeros((BLOCK_R,), tl.float32)
     else:
         m_old = tl.load(stats_ptr + local_rows)
         l_old = tl.load(stats_ptr + TILE_ROWS + local_rows)
         s_old = tl.load(stats_ptr + 2 * TILE_ROWS + local_rows)
         t = tl.load(stats_ptr + 3 * TILE_ROWS + local_rows)
-        rest_old = tl.load(stats_ptr + 4 * TILE_ROWS + local_rows)
     m = tl.maximum(m_old, tile_max)
     alpha = tl.exp(m_old - m)
     shifted = z - m[:, None]
@@ -183,12 +181,13 @@ def _stats_kernel(
 
     if WRITE_PROBS:
         p_rest = tl.where(is_target, 0.0, p)
-        rest = rest_old * alpha + tl.sum(p_rest, axis=1)
+        rest = tl.sum(p_rest, axis=1)
         if SOFTCAP:
             p_rest = p_rest * (z_scale * (1.0 - th * th))
         else:
             p_rest = p_rest * z_scale
-        if not FIRST:  # acc holds the earlier tiles' sum relative to m_old
+        if not FIRST:  # rest and acc hold the earlier tiles' sums relative to m_old
+            rest += alpha * tl.load(stats_ptr + 4 * TILE_ROWS + local_rows)
             grown = alpha < 1.0
             for h0 in range(0, hidden_size, BLOCK_H):
                 hs = h0 + tl.arange(0, BLOCK_H)
@@ -503,7 +502,7 @@ def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool,
     entropy = torch.empty(n if with_entropy else 0, **f32)
     grad = torch.empty((n, h) if grad_from_forward else (0,), device=hidden.device, dtype=hidden.dtype)
     z_buf = torch.empty((TORCH_ROWS, TORCH_VOCAB), **f32)
-    acc = torch.empty((TORCH_ROWS, h), **f32)
+    acc = torch.empty((TORCH_ROWS, h) if grad_from_forward else (0,), **f32)
     for r0, rows in _row_tiles(n):
         h_tile = _padded_rows(hidden, r0, rows, 0.0, torch.float32)
         tgt = _padded_rows(targets, r0, rows, IGNORE_INDEX)
@@ -512,7 +511,7 @@ def _forward_torch(hidden, weight, targets, scales: _Scales, with_entropy: bool,
         s = torch.zeros(TORCH_ROWS, **f32)
         t = torch.zeros(TORCH_ROWS, **f32)
         rest = torch.zeros(TORCH_ROWS, **f32)
-        acc.zero_()
+        acc.zero_()  # empty without the gradient
         for c0 in range(0, v, TORCH_VOCAB):
             cols, th = _logits_tile_torch(h_tile, weight, c0, scales, z_buf)
             m_new = torch.maximum(m, z_buf.amax(dim=1))
