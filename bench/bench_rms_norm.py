@@ -4,6 +4,8 @@ code, torch.compile (inductor) of that code, and Liger-Kernel (when importable).
     python bench/bench_rms_norm.py                 # rows 32768, H in {576, 1536, 4096, 8192}
     python bench/bench_rms_norm.py --dry-run       # tiny shapes on CPU: checks the providers agree
     python bench/bench_rms_norm.py --sweep         # time the kernels' launch configurations
+    python bench/bench_rms_norm.py --hidden 576 1536 4096 --sweep bwd+dw add_bwd+dw --stages 0 2 3 4
+                                                   # the backward with dW, register prefetch vs pipelined
 
 Bytes counted (the minimum traffic of the op, weight excluded):
     rms:      fwd reads x, writes y;            bwd reads x, dy, writes dx         -> 5 * N * H * 2
@@ -150,49 +152,97 @@ def bench(mode, rows, H, with_inductor, with_liger):
     return results
 
 
-def sweep(rows, hidden_sizes, kinds):
+SWEEP_KINDS = ("fwd", "bwd", "bwd+dw", "add_fwd", "add_bwd", "add_bwd+dw")
+# Bytes each kind moves per element (bf16): reads and writes of the rows, weight excluded.
+SWEEP_BYTES_PER_ELEM = {"fwd": 4, "bwd": 6, "bwd+dw": 6, "add_fwd": 8, "add_bwd": 8, "add_bwd+dw": 8}
+# One H100/H200 SM.
+SM_REGISTERS, SM_WARPS, SM_SHARED_BYTES, SM_SHARED_BYTES_PER_BLOCK = 65536, 64, 228 * 1024, 227 * 1024
+
+
+def sweep_configs(kind, H, stages=(0,)):
+    """Launch configurations to time for `kind` at width H: (rows per program, num_warps,
+    programs per SM, pipeline stages); programs per SM None = one program per row block.
+
+    With dW: `stages` x rows {1, 2, 4, 8} x warps {2, 4, 8} ({8, 16, 32} from 8192 wide rows)
+    x programs per SM {2, 4, 8}, less those whose threads hold fewer than 4 or more than 32
+    elements of a block, that would spill (registers, by a rough count) or not compile (shared
+    memory of the pipelined loads: stages - 1 blocks of each bf16 input); and 4 or 8 programs
+    per SM only where that many fit on one SM (warps, registers, shared memory). Fewer resident
+    programs than that only run in waves, while the pipelined loads keep one program's memory
+    traffic in flight from shared memory, so 2 per SM stays in even where they do not fit."""
+    block_h = 1 << (H - 1).bit_length()
+    if kind.endswith("+dw"):
+        inputs = 3 if kind.startswith("add") else 2
+        warps = (2, 4, 8) if block_h <= 4096 else (8, 16, 32)
+        configs = []
+        for n_stages, block_row, num_warps, per_sm in itertools.product(stages, (1, 2, 4, 8), warps, (2, 4, 8)):
+            per_thread = block_row * block_h // (32 * num_warps)
+            registers = (inputs + 3) * per_thread + 24  # fp32 inputs, weight, accumulator, temporaries, addresses
+            shared = max(n_stages - 1, 0) * inputs * block_row * block_h * 2
+            if not (4 <= per_thread <= 32 and registers <= 255 and shared <= SM_SHARED_BYTES_PER_BLOCK):
+                continue
+            fits = (per_sm * num_warps <= SM_WARPS and registers * 32 * num_warps * per_sm <= SM_REGISTERS
+                    and shared * per_sm <= SM_SHARED_BYTES)
+            if per_sm == 2 or fits:
+                configs.append((block_row, num_warps, per_sm, n_stages))
+        return configs
+    blocks = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8, 16, 32)
+              if 4 <= br * block_h // (nw * 32) <= 32]
+    per_sm_options = (None,) if kind.endswith("fwd") else (None, 4, 8)
+    return [(br, nw, per_sm, 0) for (br, nw), per_sm in itertools.product(blocks, per_sm_options)]
+
+
+def sweep(rows, hidden_sizes, kinds, stages):
     """Time each launch configuration of the Triton kernels (forward, backward with and
-    without dW; plain and with the residual add) at the benchmark shapes, GPU time only; used
-    to set _fwd_config / _bwd_config."""
-    import triton
+    without dW; plain and with the residual add) at the benchmark shapes, GPU time only (CUDA
+    graphs); used to set _fwd_config / _bwd_config. `stages`: the backward's pipeline stages
+    tried with dW (0 = the register prefetch). One line per configuration, then the best per
+    (kind, H) against the current default ("now")."""
+    import time
+
     import triton.testing
 
     saved = fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config
-    bytes_per_elem = {"fwd": 4, "bwd": 6, "bwd+dw": 6, "add_fwd": 8, "add_bwd": 8, "add_bwd+dw": 8}
+    peak_gbps = DEVICE_COPY_TBPS * 1e3
+    started = time.perf_counter()
+    best_lines = []
     try:
         for H in hidden_sizes:
-            block_h = triton.next_power_of_2(H)
             (x, res, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
             x, res, w = x.detach(), res.detach(), w.detach()
-            configs = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8, 16, 32)
-                       if 4 <= br * block_h // (nw * 32) <= 32]
             for kind in kinds:
+                if kind == "fwd":
+                    def fn():
+                        return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
+                elif kind == "add_fwd":
+                    def fn():
+                        return torch.ops.fastgrpo.add_rms_norm(x, res, w, EPS, 0.0, False, DTYPE)
+                else:
+                    def fn(need_dw=kind.endswith("+dw"), grad_sum=dsum if kind.startswith("add") else None):
+                        return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, need_dw)
+
+                def gbps(ms):
+                    return SWEEP_BYTES_PER_ELEM[kind] * rows * H / (ms * 1e-3) / 1e9
+
                 timings = []
-                per_sm_options = (None,) if kind.endswith("fwd") else (
-                    (None, 4, 8) if kind.endswith("bwd") else (2, 4, 6))
-                for (block_row, num_warps), per_sm in itertools.product(configs, per_sm_options):
+                for block_row, num_warps, per_sm, n_stages in sweep_configs(kind, H, stages):
                     fastgrpo_rms._fwd_config = lambda *_, c=(block_row, num_warps): c
-                    fastgrpo_rms._bwd_config = lambda *_, c=(block_row, num_warps, per_sm): c
-                    if kind == "fwd":
-                        def fn():
-                            return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
-                    elif kind == "add_fwd":
-                        def fn():
-                            return torch.ops.fastgrpo.add_rms_norm(x, res, w, EPS, 0.0, False, DTYPE)
-                    else:
-                        def fn(need_dw=kind.endswith("+dw"), grad_sum=dsum if kind.startswith("add") else None):
-                            return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, need_dw)
+                    fastgrpo_rms._bwd_config = lambda *_, c=(block_row, num_warps, per_sm, n_stages): c
                     ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-                    timings.append((ms, block_row, num_warps, per_sm))
-                timings.sort()
-                line = ", ".join(f"br{b} w{nw} sm*{p}: {ms * 1e3:.1f}us "
-                                 f"({bytes_per_elem[kind] * rows * H / (ms * 1e-3) / 1e9:.0f} GB/s)"
-                                 for ms, b, nw, p in timings[:5])
+                    timings.append((ms, n_stages, block_row, num_warps, per_sm))
+                    print(f"H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
+                          f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%)", flush=True)
                 fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
-                current = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                print(f"H={H} {kind:10s} now {current * 1e3:.1f}us; best: {line}", flush=True)
+                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                ms, n_stages, block_row, num_warps, per_sm = min(timings, key=lambda t: t[0])
+                best_lines.append(f"BEST H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
+                                  f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%); "
+                                  f"now {now * 1e3:.1f}us ({100 * gbps(now) / peak_gbps:.0f}%), x{now / ms:.2f}")
     finally:
         fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
+    print(f"\n{torch.cuda.get_device_name()}, rows {rows}, bf16, % of {DEVICE_COPY_TBPS} TB/s; "
+          f"sweep took {time.perf_counter() - started:.0f} s")
+    print("\n".join(best_lines))
 
 
 def dry_run():
@@ -200,7 +250,17 @@ def dry_run():
     for mode in ("rms", "add+rms"):
         check_agreement(mode, providers(mode, with_inductor=False, with_liger=False), 64, 96, "cpu")
     assert bytes_moved("rms", 32768, 4096) == 5 * 32768 * 4096 * 2
-    print("dry run ok: eager and fastgrpo agree on CPU for rms and add+rms")
+    # The sweep's grid holds the current defaults (its "now"); count what a stages sweep would time.
+    n_configs = 0
+    for H in (576, 1536, 4096, 8192):
+        for kind in SWEEP_KINDS:
+            configs = sweep_configs(kind, H, (0, 2, 3, 4))
+            if not kind.endswith("fwd"):
+                default = fastgrpo_rms._bwd_config(H, True, kind.endswith("+dw"), kind.startswith("add"))
+                assert default in configs, (kind, H, default)
+            n_configs += len(configs) if kind.endswith("+dw") and H <= 4096 else 0
+    print(f"dry run ok: eager and fastgrpo agree on CPU for rms and add+rms; --hidden 576 1536 4096 "
+          f"--sweep bwd+dw add_bwd+dw --stages 0 2 3 4 times {n_configs} configurations")
 
 
 def main():
@@ -209,15 +269,18 @@ def main():
     parser.add_argument("--hidden", type=int, nargs="+", default=[576, 1536, 4096, 8192])
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--sweep", nargs="*", metavar="KIND",
-                        help="time launch configurations of: fwd bwd bwd+dw add_fwd add_bwd add_bwd+dw (default all)")
+    parser.add_argument("--sweep", nargs="*", metavar="KIND", choices=SWEEP_KINDS,
+                        help="time launch configurations of: " + " ".join(SWEEP_KINDS) + " (default all)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0], metavar="S",
+                        help="with --sweep: the backward's pipeline stages tried with dW (0 = register prefetch, "
+                             "the default; e.g. --stages 0 2 3 4)")
     args = parser.parse_args()
     if args.dry_run:
         return dry_run()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (use --dry-run on CPU)")
     if args.sweep is not None:
-        return sweep(args.rows, args.hidden, args.sweep or ["fwd", "bwd", "bwd+dw", "add_fwd", "add_bwd", "add_bwd+dw"])
+        return sweep(args.rows, args.hidden, args.sweep or SWEEP_KINDS, args.stages)
 
     all_results = []
     for mode in ("rms", "add+rms"):

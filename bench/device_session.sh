@@ -56,7 +56,8 @@ step() {  # name, cap seconds, environment, command...
 run_step() {
   case $1 in
     tests) step tests 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
-    fastgrpo) step fastgrpo 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS ;;
+    # STEP_SYSTEMS: padded fastgrpo variants timed in this step (e.g. fastgrpo,fastgrpo_flash), STEP_CAP its seconds.
+    fastgrpo) step fastgrpo ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --completions $COMPLETIONS $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} $STEP_ARGS ;;
     inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in ${LIGER_COMPLETIONS:-1024 4096 16384}; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
@@ -97,6 +98,8 @@ run_step() {
     mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
     rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
     rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
+    # SDPA's kernels (flash, cuDNN, memory-efficient) on the step's attention shapes: what the attention pattern picks.
+    attention_bench) step attention_bench 120 "$OURS" python3 bench/bench_attention.py ;;
     # The lm-head log-prob op against TRL, inductor and Liger (LOGPROB_IMPLS), and its tile configurations.
     logprob_bench) step logprob_bench 200 "$OURS" python3 bench/bench_selective_logprob.py --impls ${LOGPROB_IMPLS:-fastgrpo fastgrpo_recompute trl compiled liger} ;;
     logprob_sweep) step logprob_sweep 150 "$OURS" python3 bench/bench_selective_logprob.py --sweep ;;

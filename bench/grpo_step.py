@@ -11,8 +11,9 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
             the checkpointed layer inputs are offloaded to host memory (the integration's default
             there). The gated-MLP op, down projection included, keeps only x and recomputes the
             projections in its backward, and the offloaded checkpoint's recompute of a layer skips the
-            MLP altogether (its output feeds only the residual add): what the TRL integration does
-            with offloaded checkpointing and padded batches
+            MLP altogether (its output feeds only the residual add); attention runs on cuDNN's kernel
+            (the attention pattern): what the TRL integration does with offloaded checkpointing
+  fastgrpo_flash  the same with SDPA's own kernel choice (flash) instead of cuDNN's attention
   fastgrpo_save  the same with the op keeping the gate and up projections (save_mlp_projections=True;
             the recompute then runs the gate/up matmul to save them): the integration's form under
             checkpointing without offloading, and the `fastgrpo` row of this file before 2026-11-30's
@@ -20,15 +21,16 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
-  fastgrpo_packed  fastgrpo_actmul on the G rows packed into one sequence without padding
+  fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
             on CUDA, log-probs only at completion positions); the plan and mask are built inside
-            the timed step. The act_mul form, as the TRL integration runs packed batches
+            the timed step. What the TRL integration does with packed batches (its CUDA default)
   fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
-  fastgrpo_packed_op  fastgrpo_packed with the gated-MLP op keeping only x (as fastgrpo): the checkpoint's
-            recompute skips the MLP (not measured yet; the candidate for the integration's packed form)
+  fastgrpo_packed_actmul  fastgrpo_packed with the act_mul form (as fastgrpo_actmul): the integration's
+            packed form before 2026-11-30's fourth session (503 ms / 5.25 GiB against 480 ms / 4.27 GiB for
+            fastgrpo_packed, prompt 256, spread 4096)
 --spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
 (`spread_lengths`, fixed seed: the same batch for every system and for
 bench/peers/unsloth_step.py --spread); padded systems get the batch right-padded to its
@@ -56,23 +58,24 @@ PROMPT, GROUP, LORA_RANK = 256, 8, 16
 DYNAMIC = True  # one compile serves every completion length
 # fastgrpo variants: backend options of each.
 # Checkpointing is on in every system here (offloaded on CUDA), so fastgrpo's gated-MLP op recomputes the
-# projections in its backward while the checkpoint's recompute skips the MLP with padded batches, and the MLP
-# takes its act_mul form with packed ones (what the TRL integration does then); the other variants measure the
-# alternatives.
+# projections in its backward while the checkpoint's recompute skips the MLP, padded or packed (what the TRL
+# integration does then); the other variants measure the alternatives.
 _SAVED_PROJECTIONS = {"save_mlp_projections": True}
 _ACT_MUL = {"absorb_mlp_projections": False}
 FASTGRPO_OPTIONS = {
     "fastgrpo": None,
+    "fastgrpo_flash": {"patterns": ["selective_logprob", "rope", "gated_mlp", "rms_norm"]},
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
-    "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob"]},
-    "fastgrpo_packed": _ACT_MUL,
-    "fastgrpo_shared": _ACT_MUL,
+    "fastgrpo_nomlp": {"patterns": ["rope", "rms_norm", "selective_logprob", "attention"]},
+    "fastgrpo_packed": None,
+    "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
-    "fastgrpo_packed_op": None,
+    "fastgrpo_packed_actmul": _ACT_MUL,
 }
 # Packed variants: whether the group's prompt is shared.
-PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False, "fastgrpo_packed_op": False}
+PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
+          "fastgrpo_packed_actmul": False}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:

@@ -195,6 +195,49 @@ def test_many_rows_and_one_row(device, triton_cpu):
                     device, triton_cpu)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_backward(monkeypatch, stages):
+    """The backward's software-pipelined row loop (PIPELINE_STAGES > 0; the interpreter ignores
+    num_stages, so this checks its logic): gradients against the float64 reference, with the
+    residual's gradient, non-contiguous inputs and a partial last block, and bit for bit the
+    register-prefetch loop's (same partial-sum layout)."""
+    # 4 rows a program, 2 persistent programs: many iterations each.
+    configs = {0: lambda *_: (4, 1, 2, 0), stages: lambda *_: (4, 1, 2, stages)}
+    monkeypatch.setattr(rms_mod, "_bwd_config", configs[stages])
+    c = dict(shape=(3, 37, 40), dtype=torch.bfloat16, add=True, res_dtype=torch.bfloat16, has_weight=True,
+             w_dtype=torch.bfloat16, weight_grad=True, offset=0.0, weight_in_fp32=False, eps=1e-6,
+             x_layout="permuted", grad_layout="sliced", grad_sum=True, seed=stages)
+    _check_case(c, "cpu", True)
+    _check_case(dict(c, add=False, dtype=torch.float32, res_dtype=torch.float32, w_dtype=torch.float32, offset=1.0,
+                     weight_in_fp32=True, x_layout="sliced", grad_layout="permuted"), "cpu", True)
+
+    gen = torch.Generator().manual_seed(stages)
+    src = _make((2, 45, 24), torch.bfloat16, "cpu", "permuted", gen)
+    dy, dsum = _make((2, 45, 24), torch.bfloat16, "cpu", "sliced", gen), _make((2, 45, 24), torch.bfloat16, "cpu",
+                                                                                 "contiguous", gen)
+    w = torch.randn(24, generator=gen).to(torch.bfloat16)
+    runs = {}
+    for s in (0, stages):
+        monkeypatch.setattr(rms_mod, "_bwd_config", configs[s])
+        with triton_on_cpu():
+            runs[s] = torch.ops.fastgrpo.rms_norm_backward(dy, dsum, src, w, 1e-6, 0.0, False, True, True)
+    assert torch.equal(runs[0][0], runs[stages][0]) and torch.equal(runs[0][1], runs[stages][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("H", [576, 1536])
+def test_cuda_pipelined_backward(monkeypatch, H, stages):
+    """The pipelined row loop compiled for the GPU (the sweep's candidates), at the benchmark widths."""
+    monkeypatch.setattr(rms_mod, "_bwd_config", lambda *_: (4, 4, 4, stages))
+    for add in (False, True):
+        c = dict(shape=(4, 1031, H), dtype=torch.bfloat16, add=add, res_dtype=torch.bfloat16, has_weight=True,
+                 w_dtype=torch.bfloat16, weight_grad=True, offset=0.0, weight_in_fp32=False, eps=1e-6,
+                 x_layout="sliced", grad_layout="permuted", grad_sum=add, seed=H + stages)
+        _check_case(c, "cuda", True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [576, 1536, 4096, 8192])
 @pytest.mark.parametrize("add,grad_sum,weight_grad", [(False, False, False), (False, False, True),

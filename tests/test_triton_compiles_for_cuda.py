@@ -173,6 +173,19 @@ def _run_every_op():
         for softcap in (0.0, 30.0):  # the frozen head: the gradient computed in forward
             selective_logprob(hidden, head.detach(), targets, logit_scale=0.5, softcap=softcap).sum().backward()
 
+    # RMSNorm's backward with its software-pipelined row loop (stages > 0: off by default, timed by the sweep).
+    default_config = rms_norm_module._bwd_config
+    x, residual, weight = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+                           for shape in ((3, 576), (3, 576), (576,)))
+    try:
+        for stages in (2, 4):
+            rms_norm_module._bwd_config = lambda *args, stages=stages: default_config(*args)[:3] + (stages,)
+            rms_norm(x, weight).float().sum().backward()
+            s, normed = add_rms_norm(x, residual, weight)
+            (s.float().sum() + normed.float().sum()).backward()
+    finally:
+        rms_norm_module._bwd_config = default_config
+
 
 def test_every_kernel_compiles_for_sm90():
     launches = _record_launches(_run_every_op)

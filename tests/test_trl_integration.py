@@ -358,22 +358,23 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
 
 
 def test_checkpointed_layers_mlp_form(tmp_path):
-    """Under gradient checkpointing (TRL's default) with padded batches on CUDA: with offloaded checkpointing (the
-    CUDA default) the gated-MLP op keeps only x, since the checkpoint's recompute skips it; under HF's checkpoint
-    it keeps gate/up instead of recomputing them a second time. With packing (CUDA's default) and on CPU the MLP
-    keeps the act_mul form; a user's own backend options win; without checkpointing the options are the user's
-    alone."""
+    """Under gradient checkpointing (TRL's default) on CUDA: with offloaded checkpointing (the CUDA default) the
+    gated-MLP op keeps only x, padded or packed, since the checkpoint's recompute skips it; under HF's checkpoint
+    it keeps gate/up instead of recomputing them a second time with padded batches, and takes the act_mul form
+    with packed ones. On CPU the act_mul form; a user's own backend options win; without checkpointing the
+    options are the user's alone."""
     from tests.tiny_models import trainer_rule
 
     act_mul = {"absorb_mlp_projections": False}
     assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False) == {}
     assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_packing=False,
                         fastgrpo_offload_checkpointing=False) == {"save_mlp_projections": True}
-    assert trainer_rule("_compile_options", tmp_path, "cuda") == act_mul  # packing: "auto", on for CUDA
+    assert trainer_rule("_compile_options", tmp_path, "cuda") == {}  # packing: "auto", on for CUDA
+    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_offload_checkpointing=False) == act_mul
     assert trainer_rule("_compile_options", tmp_path, "cpu") == act_mul
     mine = {"save_mlp_projections": False, "inner": "aot_eager"}
     assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_compile_options=mine) == mine
-    assert trainer_rule("_compile_options", tmp_path, "cuda", fastgrpo_compile_options={"inner": "eager"}) == {
+    assert trainer_rule("_compile_options", tmp_path, "cpu", fastgrpo_compile_options={"inner": "eager"}) == {
         **act_mul, "inner": "eager"}
     assert trainer_rule("_compile_options", tmp_path, "cuda", gradient_checkpointing=False) is None
 

@@ -149,9 +149,15 @@ def _rms_norm_bwd_kernel(
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PIPELINE_STAGES: tl.constexpr,
 ):
     """Each program walks row blocks pid, pid + P, pid + 2P, ... (P = number of programs) and,
-    when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid]."""
+    when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid].
+
+    The next blocks' loads are in flight while a block computes, which keeps the few programs a
+    dW reduction allows busy on memory. PIPELINE_STAGES = 0: the next block is prefetched into
+    registers by hand; > 0: Triton's software pipelining keeps PIPELINE_STAGES - 1 blocks in
+    flight, staged through shared memory (cp.async on sm_80+), so they cost no registers."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_ROW
     cols = tl.arange(0, BLOCK_H)
@@ -166,23 +172,31 @@ def _rms_norm_bwd_kernel(
     if NEED_DW:
         dw_acc = tl.zeros((BLOCK_ROW, BLOCK_H), dtype=tl.float32)
 
-    # Register prefetch: the next block's loads are in flight while this block computes, which
-    # keeps the few programs a dW reduction allows busy on memory.
     rows = (pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)).to(tl.int64)  # int64: offsets pass 2**31
-    v_next = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
-    dy_next = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
-    if HAS_DSUM:
-        dsum_next = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
-    for _ in range(pid * BLOCK_ROW, n_rows, step):
-        v = v_next.to(tl.float32)
-        dy = dy_next.to(tl.float32)
+    if PIPELINE_STAGES == 0:
+        v_next = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
+        dy_next = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
         if HAS_DSUM:
-            dsum = dsum_next.to(tl.float32)
-        next_rows = rows + step
-        v_next = _load_rows(src_ptr, next_rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
-        dy_next = _load_rows(dy_ptr, next_rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
-        if HAS_DSUM:
-            dsum_next = _load_rows(dsum_ptr, next_rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+            dsum_next = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+    # num_stages 0 leaves the loop unpipelined (as a plain range); > 1 pipelines loads that feed no dot.
+    for _ in tl.range(pid * BLOCK_ROW, n_rows, step, num_stages=PIPELINE_STAGES):
+        if PIPELINE_STAGES == 0:
+            v = v_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            if HAS_DSUM:
+                dsum = dsum_next.to(tl.float32)
+            next_rows = rows + step
+            v_next = _load_rows(src_ptr, next_rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
+            dy_next = _load_rows(dy_ptr, next_rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
+            if HAS_DSUM:
+                dsum_next = _load_rows(dsum_ptr, next_rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
+                                       col_mask)
+        else:
+            v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask).to(tl.float32)
+            dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask).to(tl.float32)
+            if HAS_DSUM:
+                dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
+                                  col_mask).to(tl.float32)
 
         rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
         n = v * rstd[:, None]
@@ -199,7 +213,7 @@ def _rms_norm_bwd_kernel(
             tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
         if NEED_DW:
             dw_acc += dy * n
-        rows = next_rows
+        rows += step
 
     if NEED_DW:
         tl.store(dw_partial_ptr + pid * H + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -249,11 +263,11 @@ def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
     return block_row, min(32, max(2, block_row * block_h // 1024))
 
 
-def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int]]:
-    """(rows per program, num_warps, programs per SM) for the backward kernel, whose programs
-    are persistent (they loop over row blocks, prefetching the next). Each program keeps two
-    row blocks of every input in registers (this one and the prefetched next), so the block
-    shrinks as inputs are added:
+def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int], int]:
+    """(rows per program, num_warps, programs per SM, pipeline stages) for the backward kernel,
+    whose programs are persistent (they loop over row blocks, prefetching the next). Stages 0:
+    each program keeps two row blocks of every input in registers (this one and the prefetched
+    next), so the block shrinks as inputs are added:
       plain:             4096 to 16384 elements a program, 32 a thread;
       with dW:           2048 elements a program (or one row), 16 a thread (32 with the residual's
                          gradient as a third input), 4 programs per SM (2 from 4096 elements), the
@@ -261,20 +275,28 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
       with d(sum), no dW (the residual add's backward under LoRA, norm weight frozen): 1024
                          elements a program (or one row), 16 a thread, 8 programs per SM; the
                          plain rule's larger blocks (up to 16384 elements) run at half speed there
-                         (H = 4096: 548 against 253 us)."""
+                         (H = 4096: 548 against 253 us).
+    With dW up to 2048-wide blocks the loop is pipelined instead (3 stages: two row blocks in flight
+    in shared memory), one row a program, 2 warps, 8 programs per SM (4 from 2048-wide blocks): on
+    the H200 (sweep of 2026-11-30, `bench/bench_rms_norm.py --sweep bwd+dw add_bwd+dw --stages 0 2 3`,
+    rows 32768, bf16) H = 576 41.2 us against 45.5 with the register prefetch (with the residual's
+    gradient 44.9 against 55.3), H = 1536 82.2 against 89.3 (99.4 against 105.4). Wider rows keep the
+    register prefetch (not swept)."""
     block_h = _block_h(H)
     if not on_cuda:
-        return max(1, 16384 // block_h), 1, (2 if need_dw else None)
+        return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
+    if need_dw and block_h <= 2048:
+        return 1, 2, (8 if block_h <= 1024 else 4), 3
     if need_dw:
         block_row = max(1, 2048 // block_h)
         elements = block_row * block_h
         num_warps = elements // (1024 if has_dsum else 512)
-        return block_row, min(32, max(2, num_warps)), (4 if elements <= 2048 else 2)
+        return block_row, min(32, max(2, num_warps)), (4 if elements <= 2048 else 2), 0
     if has_dsum:
         block_row = max(1, 1024 // block_h)
-        return block_row, min(32, max(2, block_row * block_h // 512)), 8
+        return block_row, min(32, max(2, block_row * block_h // 512)), 8, 0
     block_row = max(1, min(max(4 * block_h, 4096), 16384) // block_h)
-    return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4)
+    return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4), 0
 
 
 def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:
@@ -368,8 +390,8 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src])
     if weight is not None:
         weight = weight.contiguous()
-    block_row, num_warps, programs_per_sm = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
-                                                        grad_sum is not None)
+    block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
+                                                                grad_sum is not None)
     programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](
@@ -391,6 +413,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         EMULATE_BF16_RTNE=not src.is_cuda,
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
+        PIPELINE_STAGES=stages,
         num_warps=num_warps,
     )
     if not weight_grad:

@@ -5,12 +5,13 @@ after RoPE), the rotation's final add would otherwise be taken for a residual ad
 into the norm, and the rotation lost. The gated MLP goes before RMSNorm for the same reason: where
 the MLP's output feeds a post-norm (Gemma2, Gemma3, OLMo2), the add of a LoRA-wrapped down
 projection (`base(h) + lora(h)`) would be fused into the norm as a residual add, and the down
-projection could no longer be absorbed into the MLP op.
+projection could no longer be absorbed into the MLP op. Attention (which SDPA kernel runs) is
+independent of the others and goes last.
 
 Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
 sites into calls of `fastgrpo::` custom ops and records matches and near misses.
 """
-from fastgrpo.passes import gated_mlp, rms_norm, rope, selective_logprob
+from fastgrpo.passes import attention, gated_mlp, rms_norm, rope, selective_logprob
 from fastgrpo.passes._record import PatternRecord
 
 PASSES = {
@@ -18,6 +19,7 @@ PASSES = {
     rope.NAME: rope,
     gated_mlp.NAME: gated_mlp,
     rms_norm.NAME: rms_norm,
+    attention.NAME: attention,
 }
 
 __all__ = ["PASSES", "PatternRecord"]

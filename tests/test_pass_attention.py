@@ -1,0 +1,127 @@
+"""The attention pass: SDPA calls rerouted to prefer cuDNN's kernel on CUDA (sm90+), reported per site."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastgrpo
+from fastgrpo.passes import attention
+from tests.tiny_models import VOCAB, assert_grads_close, eager_then_compiled_model, tiny_model
+
+ARCHS = ["llama", "qwen2", "gemma2"]
+
+
+def _record():
+    records = [r["patterns"]["attention"] for r in fastgrpo.fusion_reports()]
+    return {"matched": sum(r["matched"] for r in records),
+            "sites": [s for r in records for s in r["sites"]],
+            "near_misses": [m for r in records for m in r["near_misses"]]}
+
+
+def _compile_and_compare(model, ids, options=None):
+    return eager_then_compiled_model(model, lambda input_ids: model(input_ids=input_ids).logits, {"input_ids": ids},
+                                     loss=lambda out: out.float().square().mean(), options=options)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_graphs_are_left_to_sdpa(arch):
+    """On the CPU SDPA's own kernel is what runs: no site rerouted, none reported."""
+    model = tiny_model(arch)
+    if next(model.parameters()).is_cuda:
+        pytest.skip("a CPU test")
+    _compile_and_compare(model, torch.randint(3, VOCAB, (2, 10)))
+    record = _record()
+    assert record["matched"] == 0 and not record["near_misses"]
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rerouted_sites_equal_eager(arch, inner, monkeypatch):
+    """Where cuDNN takes the inputs every layer's SDPA call is rerouted, and the model computes what eager does
+    (here on whatever device the tests run: the reroute changes only SDPA's kernel priority)."""
+    monkeypatch.setattr(attention, "_on_cuda", lambda query: isinstance(query, torch.Tensor))
+    monkeypatch.setattr(attention, "_why_not_cudnn", lambda inputs: None)
+    model = tiny_model(arch)
+    expected, expected_grads, actual, actual_grads = _compile_and_compare(
+        model, torch.randint(3, VOCAB, (2, 10)), {"inner": inner})
+    record = _record()
+    assert record["matched"] == model.config.num_hidden_layers and not record["near_misses"]
+    assert all(site["form"] == "cudnn" for site in record["sites"])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+def test_not_rerouted_when_the_user_disabled_cudnn(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    reason = attention._why_not_cudnn({"query": None})
+    assert "enable_cudnn_sdp(False)" in reason
+
+
+def test_sdpa_is_asked_which_kernel_it_would_pick(monkeypatch):
+    """The pass asks SDPA, with cuDNN first, which kernel these inputs get; here (CPU tensors posing as an sm90
+    GPU's) SDPA's answer is not cuDNN, and the reason names its choice."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    reason = attention._why_not_cudnn(
+        {"query": q, "key": k, "value": k, "attn_mask": None, "dropout_p": 0.0, "is_causal": True, "scale": None,
+         "enable_gqa": True})
+    assert "SDPA chose" in reason, reason
+
+
+def test_pattern_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(attention, "_on_cuda", lambda query: isinstance(query, torch.Tensor))
+    monkeypatch.setattr(attention, "_why_not_cudnn", lambda inputs: None)
+    model = tiny_model("llama")
+    _compile_and_compare(model, torch.randint(3, VOCAB, (2, 10)),
+                         {"patterns": ["rms_norm", "rope", "gated_mlp", "selective_logprob"]})
+    assert all("attention" not in r["patterns"] for r in fastgrpo.fusion_reports())
+
+
+class _AtenLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cuda_bf16_runs_cudnn_forward_and_backward(arch):
+    """On an sm90+ GPU in bf16 each layer's attention runs cuDNN's kernels, forward and backward, and the model's
+    outputs and gradients match eager (flash) within bf16 attention's tolerance."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is preferred on sm90+ only")
+    torch.manual_seed(0)
+    model = tiny_model(arch).to("cuda", torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 64), device="cuda")
+    expected, expected_grads, _, _ = _compile_and_compare(model, ids, {"inner": "aot_eager"})
+    record = _record()
+    assert record["matched"] == model.config.num_hidden_layers and not record["near_misses"], record
+    model.zero_grad()
+    log = _AtenLog()
+    compiled = torch.compile(lambda input_ids: model(input_ids=input_ids).logits, backend="fastgrpo",
+                             options={"inner": "aot_eager"})
+    compiled(ids)  # compiles outside the log: AOTAutograd's tracing would show every op too
+    model.zero_grad()
+    with log:
+        actual = compiled(ids)
+        actual.float().square().mean().backward()
+    assert "aten._scaled_dot_product_cudnn_attention" in log.ops, sorted(log.ops)
+    assert "aten._scaled_dot_product_cudnn_attention_backward" in log.ops, sorted(log.ops)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert_grads_close(expected_grads, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                       rel=3e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_float32_is_reported_with_sdpa_choice():
+    """cuDNN's attention has no float32 kernel: the sites stay SDPA's and the report says which kernel runs."""
+    model = tiny_model("qwen2").to("cuda")
+    _compile_and_compare(model, torch.randint(3, VOCAB, (2, 16), device="cuda"), {"inner": "aot_eager"})
+    record = _record()
+    assert record["matched"] == 0
+    assert len(record["near_misses"]) == model.config.num_hidden_layers
+    reason = record["near_misses"][0]["reason"]
+    assert ("SDPA chose" in reason) or ("sm90" in reason), reason
