@@ -162,6 +162,11 @@ def _run_every_op():
         for activation in ("silu", "gelu_tanh"):
             gated_mlp(h, w_gate, w_up, activation=activation).float().sum().backward()
             gated_mlp(h, w_gate, w_up, *lora, *lora, lora_scale=2.0, activation=activation).float().sum().backward()
+            # with the down projection: the activation's backward also writes h for its gradients
+            w_down = torch.randn(24, 20, dtype=dtype, requires_grad=True)
+            down_lora = [torch.randn(4, 20, requires_grad=True), torch.randn(24, 4, requires_grad=True)]
+            gated_mlp(h, w_gate, w_up, activation=activation, w_down=w_down, down_lora_a=down_lora[0],
+                      down_lora_b=down_lora[1], down_lora_scale=0.5).float().sum().backward()
             gate, up = torch.randn(7, 20, dtype=dtype, requires_grad=True), torch.randn(7, 20, dtype=dtype, requires_grad=True)
             act_mul(gate, up, activation).float().sum().backward()
 

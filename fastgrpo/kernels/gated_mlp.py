@@ -96,10 +96,11 @@ def _act_mul_fwd_kernel(
 
 @triton.jit
 def _act_mul_bwd_kernel(
-    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_rows, n_cols, dh_s0, g_s0, u_s0, dg_s0, du_s0,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, n_rows, n_cols, dh_s0, g_s0, u_s0, dg_s0, du_s0, h_s0,
+    ACT: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # dg/du may overwrite g/u: each element is read before it is written by the same program.
+    # dg/du may overwrite g/u: each element is read before it is written by the same program. WRITE_H: also
+    # store h = act(g) * u, which the down projection's gradients read (a second pass would read g and u again).
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < n_rows)[:, None] & (offs_n < n_cols)[None, :]
@@ -109,6 +110,8 @@ def _act_mul_bwd_kernel(
     a, da = _act_and_grad(g, ACT)
     tl.store(dg_ptr + offs_m[:, None] * dg_s0 + offs_n[None, :], (dh * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs_m[:, None] * du_s0 + offs_n[None, :], (dh * a).to(du_ptr.dtype.element_ty), mask=mask)
+    if WRITE_H:
+        tl.store(h_ptr + offs_m[:, None] * h_s0 + offs_n[None, :], (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,15 +143,15 @@ def _act_mul_fwd_triton(g, u, h, act):
     )
 
 
-def _act_mul_bwd_triton(dh, g, u, dg, du, act):
-    """Writes dg, du (may alias g, u)."""
+def _act_mul_bwd_triton(dh, g, u, dg, du, act, h=None):
+    """Writes dg, du (may alias g, u) and, unless None, h = act(g) * u."""
     if g.shape[0] == 0:
         return
     block_m, block_n, num_warps = _act_mul_blocks(g)
     _act_mul_bwd_kernel[_act_mul_grid(g, block_m, block_n)](
-        dh, g, u, dg, du, g.shape[0], g.shape[1],
-        dh.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
-        ACT=_ACTIVATIONS.index(act), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dh, g, u, dg, du, dg if h is None else h, g.shape[0], g.shape[1],
+        dh.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), 0 if h is None else h.stride(0),
+        ACT=_ACTIVATIONS.index(act), WRITE_H=h is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 
@@ -164,10 +167,13 @@ def _act_mul_fwd_torch(g, u, h, act):
     h.copy_(_act_fp32(g.float(), act)[0] * u.float())
 
 
-def _act_mul_bwd_torch(dh, g, u, dg, du, act):
+def _act_mul_bwd_torch(dh, g, u, dg, du, act, h=None):
     a, da = _act_fp32(g.float(), act)
     dh = dh.float()
-    dg_value = dh * u.float() * da  # formed before du (or dg) may overwrite u (or g)
+    u = u.float()
+    dg_value = dh * u * da  # formed before du (or dg) may overwrite u (or g)
+    if h is not None:
+        h.copy_(a * u)
     du.copy_(dh * a)
     dg.copy_(dg_value)
 
@@ -177,9 +183,9 @@ def _act_mul_fwd(g, u, h, act):
     fn(g, u, h, act)
 
 
-def _act_mul_bwd(dh, g, u, dg, du, act):
+def _act_mul_bwd(dh, g, u, dg, du, act, h=None):
     fn = _act_mul_bwd_triton if _dispatch.use_triton(g) else _act_mul_bwd_torch
-    fn(dh, g, u, dg, du, act)
+    fn(dh, g, u, dg, du, act, h)
 
 
 def _add_product_(out, a, b, alpha=1.0):
@@ -592,25 +598,31 @@ def _gated_mlp_backward_op(
     return grads
 
 
-def _down_backward(d_out_rows, g, u, activation, w_down, down, acc):
+def _down_backward(d_out_rows, w_down, down):
     """dh for one chunk, back through the down projection (and its LoRA, as PEFT's autograd forms
-    it), adding the chunk's share of the down weight and LoRA gradients; h is recomputed from g, u."""
-    h = torch.empty(g.shape, dtype=d_out_rows.dtype, device=d_out_rows.device)
-    _act_mul_fwd(g, u, h, activation)
+    it), and the LoRA's (d_lora, dxa) for its gradients, or None."""
     dh = torch.mm(d_out_rows, w_down)
+    if down is None:
+        return dh, None
+    da, db, scale = down
+    d_lora = d_out_rows.to(db.dtype)  # gradient at the output of lora_B, before * scale
+    if scale != 1.0:
+        d_lora = d_lora * scale
+    dxa = torch.mm(d_lora, db)
+    _add_product_(dh, dxa, da)
+    return dh, (d_lora, dxa)
+
+
+def _down_grads(d_out_rows, h, down, down_lora, acc):
+    """Adds the chunk's share of the down weight's and its LoRA's gradients, which read h = act(g) * u."""
     _accumulate(acc, "w_down", d_out_rows.t(), h)
-    if down is not None:
-        da, db, scale = down
+    if down_lora is not None:
+        da = down[0]
+        d_lora, dxa = down_lora
         h_cast = h.to(da.dtype)
-        d_lora = d_out_rows.to(db.dtype)  # gradient at the output of lora_B, before * scale
-        if scale != 1.0:
-            d_lora = d_lora * scale
         if "down_b" in acc:
             _accumulate(acc, "down_b", d_lora.t(), torch.mm(h_cast, da.t()))
-        dxa = torch.mm(d_lora, db)
         _accumulate(acc, "down_a", dxa.t(), h_cast)
-        _add_product_(dh, dxa, da)
-    return dh
 
 
 def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, activation,
@@ -631,12 +643,18 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
     x_cast, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
     if saved_rows is None:
         _add_loras_(g, u, lora_g, lora_u, lora_scale)
+    h = down_lora = None
     if w_down is not None:
-        dh_rows = _down_backward(d_out_rows, g, u, activation, w_down, down, acc)
+        dh_rows, down_lora = _down_backward(d_out_rows, w_down, down)
+        if {"w_down", "down_a", "down_b"} & set(acc):
+            h = torch.empty(g.shape, dtype=d_out_rows.dtype, device=d_out_rows.device)
     else:
         dh_rows = _rows_unit_stride(d_out_rows, inter)
-    _act_mul_bwd(dh_rows, g, u, dg, du, activation)
+    _act_mul_bwd(dh_rows, g, u, dg, du, activation, h)  # also forms h, for the down projection's gradients
     del dh_rows
+    if h is not None:
+        _down_grads(d_out_rows, h, down, down_lora, acc)
+        del h
     if lora_back is not None:
         dxa = _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, lora_scale, need_dxa_g, acc)
     else:
