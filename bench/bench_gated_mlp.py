@@ -5,6 +5,8 @@
     python bench/bench_gated_mlp.py --block --shapes qwen2.5-1.5b --tokens 34816 --profile
                                                # the whole MLP block (down projection included), as the
                                                # trainer runs it at 4096 completions, + the op's kernels
+    python bench/bench_gated_mlp.py --block --checkpointed   # the block under gradient checkpointing, as
+                                               # the GRPO trainer runs it (TRL's default)
     python bench/bench_gated_mlp.py --sweep-act-mul   # the act_mul kernels' launch configurations
     python bench/bench_gated_mlp.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
 
@@ -21,6 +23,12 @@ gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projecti
   fastgrpo walks the tokens in chunks (rows_per_chunk() rows, printed in the header), so its peak
   beyond its output and dx stays under ~2.25 x 256 MiB at any token count (LoRA; full fine-tuning adds
   fp32 weight-gradient accumulators); fastgrpo_saved holds gate and up ([tokens, 2I]) besides.
+--checkpointed (with --block): y = x + mlp(x) under torch's non-reentrant checkpoint, forward + the recompute
+  in backward + backward, every provider. fastgrpo (the op keeping only x) runs as the trainer runs it under
+  offloaded checkpointing: the re-run is marked (`checkpoint_recompute()`, what fastgrpo's offloaded
+  checkpoint does) and the op, told that its output only feeds the residual add, skips it there; its
+  backward recomputes the projections once. fastgrpo_saved (the op keeping gate/up) re-runs its projections
+  in the recompute to save them, as under HF's checkpoint. The others re-run their whole MLP.
 act_mul: h = silu(g) * u on [tokens, I] bf16; GB/s over the bytes read and written once.
 Writes $OUT/bench_gated_mlp.json (bench_gated_mlp_<tokens>.json for other token counts) when OUT is set.
 """
@@ -35,6 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fastgrpo.kernels import gated_mlp as gated_mlp_module  # noqa: E402
+from fastgrpo.kernels._dispatch import checkpoint_recompute  # noqa: E402
 from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate)
@@ -67,6 +76,31 @@ def fastgrpo_mlp(save_projections=False):
     def mlp(x, wg, wu, ga, gb, ua, ub, wd=None, da=None, db=None):
         return gated_mlp(x, wg, wu, ga, gb, ua, ub, LORA_SCALE, "silu", wd, da, db, LORA_SCALE, save_projections)
     return mlp
+
+
+def fastgrpo_skipping_mlp():
+    """The op keeping only x, told its output only feeds the residual add (what the FX pass proves in a
+    decoder layer): inside a marked checkpoint recompute it computes nothing."""
+    def mlp(x, wg, wu, ga, gb, ua, ub, wd=None, da=None, db=None):
+        return torch.ops.fastgrpo.gated_mlp(x, wg, wu, ga, gb, ua, ub, LORA_SCALE, "silu", wd, da, db, LORA_SCALE,
+                                            False, True)[0]
+    return mlp
+
+
+def checkpointed_block(mlp, mark_recompute=False):
+    """y = x + mlp(x) under torch's non-reentrant checkpoint; with mark_recompute the re-run in backward runs
+    inside checkpoint_recompute(), as fastgrpo's offloaded checkpoint runs it."""
+    def block(*args):
+        calls = []
+
+        def run(*inputs):
+            calls.append(None)
+            if mark_recompute and len(calls) > 1:
+                with checkpoint_recompute():
+                    return inputs[0] + mlp(*inputs)
+            return inputs[0] + mlp(*inputs)
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    return block
 
 
 def liger_mlp_fn():
@@ -212,6 +246,14 @@ def dry_run():
                           f"max |fastgrpo - eager| = {err:.2e}")
                     assert err < 1e-4
             gated_mlp_module.ROWS_PER_CHUNK = None
+    inputs = [t.float() if t is not None else None for t in make_mlp_inputs(64, 96, 40, True, "cpu", True)]
+    x = inputs[0].detach().requires_grad_()
+    wrt = [x] + [t for t in inputs[1:] if t is not None and t.requires_grad]
+    expected = torch.autograd.grad((x + eager_mlp(x, *inputs[1:])).square().sum(), wrt)
+    actual = torch.autograd.grad(checkpointed_block(fastgrpo_skipping_mlp(), True)(x, *inputs[1:]).square().sum(), wrt)
+    err = max((a - e).abs().max().item() for a, e in zip(actual, expected))
+    print(f"dry-run checkpointed block, op skipping its output in the recompute: max |grad - eager's| = {err:.2e}")
+    assert err < 1e-3
     g, u = torch.randn(2, 40, 96, 2).unbind(-1)
     err = (act_mul(g, u) - F.silu(g) * u).abs().max().item()
     print(f"dry-run act_mul: max |fastgrpo - eager| = {err:.2e}")
@@ -244,10 +286,14 @@ def main():
                                                               "fastgrpo op (LoRA, last shape)")
     parser.add_argument("--profile-only", action="store_true",
                         help="no timing table: the top CUDA kernels of the fastgrpo op and of inductor")
+    parser.add_argument("--checkpointed", action="store_true",
+                        help="with --block: y = x + mlp(x) under gradient checkpointing (forward + backward only)")
     parser.add_argument("--sweep-act-mul", action="store_true", help="time the act_mul kernels' launch configurations")
     parser.add_argument("--profile-variant", choices=("lora", "plain"), default="lora",
                         help="what --profile-only profiles: LoRA r=16 on a frozen base, or full fine-tuning")
     args = parser.parse_args()
+    if args.checkpointed and not args.block:
+        parser.error("--checkpointed times the block (y = x + mlp(x)): add --block")
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
         return
@@ -263,6 +309,9 @@ def main():
     liger = liger_mlp_fn()
     if liger is not None:
         providers["liger"] = liger
+    if args.checkpointed:
+        providers = {name: checkpointed_block(fn) for name, fn in providers.items()}
+        providers["fastgrpo"] = checkpointed_block(fastgrpo_skipping_mlp(), mark_recompute=True)
     if args.profile_only:
         for name, (hidden, inter) in shapes.items():
             lora = args.profile_variant == "lora"
@@ -278,11 +327,12 @@ def main():
             ref = eager_mlp(*[t.double() if t is not None else None for t in inputs]).float()
             err = (fastgrpo_mlp()(*inputs).float() - ref).abs().max().item()
             flops_fwd, flops_bwd = mlp_flops(hidden, inter, tokens, lora, args.block)
-            for mode in ("fwd", "full"):
+            for mode in ("full",) if args.checkpointed else ("fwd", "full"):
                 for provider, fn in providers.items():
                     (ms, lo, hi), peak, saved, host_ms = bench_mlp(fn, inputs, mode, device)
                     flops = flops_fwd + (flops_bwd if mode == "full" else 0)
-                    rows.append(dict(op="gated_mlp block" if args.block else "gated_mlp", shape=name, variant="lora" if lora else "plain", mode=mode,
+                    op = ("checkpointed block" if args.checkpointed else "gated_mlp block") if args.block else "gated_mlp"
+                    rows.append(dict(op=op, shape=name, variant="lora" if lora else "plain", mode=mode,
                                      provider=provider, ms=ms, p20=lo, p80=hi, tflops=flops / ms / 1e9,
                                      peak_mib=None if peak is None else peak / 2**20,
                                      saved_mib=None if saved is None else saved / 2**20, host_ms=host_ms,

@@ -95,6 +95,8 @@ run_step() {
     # The gated-MLP block (down projection included) against inductor, eager and Liger; then where the op's GPU
     # time goes against inductor's (MLP_PROFILE_VARIANT: lora or plain).
     mlp_block) step mlp_block 200 "$OURS" python3 bench/bench_gated_mlp.py --block ;;
+    # The same block under gradient checkpointing (y = x + mlp(x)), as the GRPO trainer runs it.
+    mlp_checkpointed) step mlp_checkpointed 200 "$OURS" python3 bench/bench_gated_mlp.py --block --checkpointed ;;
     mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
     rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
     rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
