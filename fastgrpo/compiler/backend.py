@@ -1,9 +1,10 @@
 """The `fastgrpo` torch.compile backend.
 
 Dynamo hands over a forward-only, pre-autograd torch-level graph. The passes rewrite the
-patterns they know into `fastgrpo::` custom ops (each with its own recomputing backward),
-the report records what matched, and the rewritten graph goes on to the inner compiler:
-inductor by default, so everything we do not match is compiled as usual.
+patterns they know into `fastgrpo::` custom ops (each with its own recomputing backward), and
+attention calls into SDPA calls that prefer cuDNN's kernel where it runs; the report records what
+matched, and the rewritten graph goes on to the inner compiler: inductor by default, so
+everything we do not match is compiled as usual.
 """
 import torch
 from torch import fx
