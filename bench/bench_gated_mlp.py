@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fastgrpo.kernels import gated_mlp as gated_mlp_module  # noqa: E402
-from fastgrpo.kernels._dispatch import checkpoint_recompute  # noqa: E402
+from fastgrpo.compiler.offload import marking_recomputes  # noqa: E402
 from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate)
@@ -90,15 +90,11 @@ def fastgrpo_skipping_mlp():
 def checkpointed_block(mlp, mark_recompute=False):
     """y = x + mlp(x) under torch's non-reentrant checkpoint; with mark_recompute the re-run in backward runs
     inside checkpoint_recompute(), as fastgrpo's offloaded checkpoint runs it."""
-    def block(*args):
-        calls = []
+    def residual_block(*inputs):
+        return inputs[0] + mlp(*inputs)
 
-        def run(*inputs):
-            calls.append(None)
-            if mark_recompute and len(calls) > 1:
-                with checkpoint_recompute():
-                    return inputs[0] + mlp(*inputs)
-            return inputs[0] + mlp(*inputs)
+    def block(*args):
+        run = marking_recomputes(residual_block) if mark_recompute else residual_block
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     return block
 

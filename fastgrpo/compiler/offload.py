@@ -107,6 +107,23 @@ class _SavedInput:
             self.slot.in_use = False
 
 
+def marking_recomputes(forward):
+    """`forward` for torch's non-reentrant checkpoint, with every call after the first inside
+    `checkpoint_recompute()`: the first call is the forward; the checkpoint calls again only to recompute the
+    saved tensors and throws the outputs away, so ops the compiler proved feed no saved tensor skip their output."""
+    calls = 0
+
+    def run(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return forward(*args, **kwargs)
+        with checkpoint_recompute():
+            return forward(*args, **kwargs)
+
+    return run
+
+
 class OffloadHandle:
     """Offloaded checkpointing on one model's repeated blocks; `disable()` undoes it."""
 
@@ -168,18 +185,7 @@ class OffloadHandle:
                 f"offloaded checkpointing: {type(block).__name__} was called without a tensor as its first "
                 f"argument or as `{HIDDEN_KWARG}=`; cannot tell which input to offload"
             )
-        calls = 0
-
-        def run(*run_args, **kw):
-            # The first call is the forward; torch's checkpoint calls again only to recompute the layer's saved
-            # tensors and throws the outputs away: ops the compiler proved feed no saved tensor skip their output.
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return forward(*run_args, **kw)
-            with checkpoint_recompute():
-                return forward(*run_args, **kw)
-
+        run = marking_recomputes(forward)
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
         self._target = (hidden, layer)

@@ -42,6 +42,8 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
     "logsumexp": (torch.logsumexp, torch.Tensor.logsumexp, aten.logsumexp.default),
     "gather": (torch.gather, torch.Tensor.gather, aten.gather.default),
     "cross_entropy": (F.cross_entropy,),
+    "sdpa": (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+             aten.scaled_dot_product_attention.default),
     "rms_norm": (F.rms_norm, torch.rms_norm, aten.rms_norm.default),
     "cat": (torch.cat, torch.concat, aten.cat.default),
     "getitem": (operator.getitem,),

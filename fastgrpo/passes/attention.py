@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastgrpo.passes._fx import arg, site_name, value
+from fastgrpo.passes._fx import arg, is_kind, site_name, value
 from fastgrpo.passes._record import PatternRecord
 
 NAME = "attention"
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 # SDPA's other backends in its own order, each kept only if the user has it enabled.
 _FALLBACKS = (
     (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
@@ -116,7 +115,7 @@ def _why_not_cudnn(inputs: dict) -> str | None:
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
     rerouted = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
+        if not is_kind(node, "sdpa"):
             continue
         if not _on_cuda(_example(arg(node, 0, "query"))):
             continue
