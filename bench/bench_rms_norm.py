@@ -13,6 +13,9 @@ Bytes counted (the minimum traffic of the op, weight excluded):
 d(res) is the same tensor as d(x) (d(s) itself), in every provider, so it is written once.
 The weight requires grad (dW is computed). Times are medians of triton.testing.do_bench
 (with the Python launch overhead) and of do_bench_cudagraph (GPU time only).
+The row "same bytes" is no RMSNorm: two compiled pointwise kernels (one for the forward, one for the
+backward) that read and write exactly the bytes counted above, the ceiling the op's kernels can reach at
+that size on this device, launch and drain included.
 If OUT is set, results also go to $OUT/bench_rms_norm.json.
 """
 import argparse
@@ -110,6 +113,23 @@ def bytes_moved(mode, rows, H):
     return per_elem * rows * H * torch.finfo(DTYPE).bits // 8
 
 
+def same_bytes_step(mode, rows, H):
+    """Pointwise kernels with the op's traffic: rms fwd x -> y, bwd (x, dy) -> dx; add+rms fwd (x, res) ->
+    (s, y), bwd (s, dy, ds) -> d."""
+    def randn():
+        return torch.randn(rows, H, device="cuda", dtype=DTYPE)
+
+    if mode == "rms":
+        fwd = torch.compile(lambda x: x * 2, dynamic=False)
+        bwd = torch.compile(lambda x, dy: x + dy, dynamic=False)
+        x, dy = randn(), randn()
+        return lambda: (fwd(x), bwd(x, dy))
+    fwd = torch.compile(lambda x, r: (x + r, (x + r) * 2), dynamic=False)
+    bwd = torch.compile(lambda s, dy, ds: ds + dy * s, dynamic=False)
+    x, r, dy, ds = randn(), randn(), randn(), randn()
+    return lambda: (fwd(x, r), bwd(x, dy, ds))
+
+
 def check_agreement(mode, fns, rows, H, device):
     """Every provider's outputs and grads close to eager's (bf16 tolerances)."""
     inputs, grads = make_inputs(mode, rows, H, device)
@@ -149,6 +169,14 @@ def bench(mode, rows, H, with_inductor, with_liger):
         gbps_graph = bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9
         results[name] = dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph, gbps=gbps,
                              gbps_cudagraph=gbps_graph, peak_extra_mib=peak / 2**20)
+    step = same_bytes_step(mode, rows, H)
+    step()
+    ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
+    ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+    results["same bytes"] = dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph,
+                                 gbps=bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9,
+                                 gbps_cudagraph=bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9,
+                                 peak_extra_mib=0.0)
     return results
 
 
@@ -163,19 +191,21 @@ def sweep_configs(kind, H, stages=(0,)):
     """Launch configurations to time for `kind` at width H: (rows per program, num_warps,
     programs per SM, pipeline stages); programs per SM None = one program per row block.
 
-    With dW: `stages` x rows {1, 2, 4, 8} x warps {2, 4, 8} ({8, 16, 32} from 8192 wide rows)
-    x programs per SM {2, 4, 8}, less those whose threads hold fewer than 4 or more than 32
+    With dW: `stages` x rows {1, 2, 4, 8} x warps {2, 4, 8} (also 1 up to 1024 wide blocks; {8, 16, 32} from
+    8192 wide rows)
+    x programs per SM {2, 4, 8, 16}, less those whose threads hold fewer than 4 or more than 32
     elements of a block, that would spill (registers, by a rough count) or not compile (shared
     memory of the pipelined loads: stages - 1 blocks of each bf16 input); and 4 or 8 programs
-    per SM only where that many fit on one SM (warps, registers, shared memory). Fewer resident
+    per SM and up only where that many fit on one SM (warps, registers, shared memory). Fewer resident
     programs than that only run in waves, while the pipelined loads keep one program's memory
     traffic in flight from shared memory, so 2 per SM stays in even where they do not fit."""
     block_h = 1 << (H - 1).bit_length()
     if kind.endswith("+dw"):
         inputs = 3 if kind.startswith("add") else 2
-        warps = (2, 4, 8) if block_h <= 4096 else (8, 16, 32)
+        # One warp a row up to 1024 wide: the row's sums stay inside the warp (no shared-memory round trip).
+        warps = (1, 2, 4, 8) if block_h <= 1024 else (2, 4, 8) if block_h <= 4096 else (8, 16, 32)
         configs = []
-        for n_stages, block_row, num_warps, per_sm in itertools.product(stages, (1, 2, 4, 8), warps, (2, 4, 8)):
+        for n_stages, block_row, num_warps, per_sm in itertools.product(stages, (1, 2, 4, 8), warps, (2, 4, 8, 16)):
             per_thread = block_row * block_h // (32 * num_warps)
             registers = (inputs + 3) * per_thread + 24  # fp32 inputs, weight, accumulator, temporaries, addresses
             shared = max(n_stages - 1, 0) * inputs * block_row * block_h * 2

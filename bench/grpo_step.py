@@ -285,6 +285,51 @@ def kernel_summary(prof) -> str:
     return "\n".join(lines)
 
 
+def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
+    """Where the GPU waits inside the step (no compute kernel running): every gap between kernels, the gaps
+    of at least `min_ms` grouped by the kernel that ends them (count, ms, forward or backward), and the longest
+    ones with the kernels either side and the innermost host events covering most of the gap (what the host
+    was doing while the GPU waited: a synchronisation, an allocation, an op's Python before its launch)."""
+    kernels, host = [], []
+    for event in prof.events():
+        interval = (event.time_range.start, event.time_range.end, event.name)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if not re.search(KERNEL_CATEGORIES[0][1], event.name.lower()):
+                kernels.append(interval)
+        else:
+            host.append(interval)
+    kernels.sort()
+    gaps, end, last, all_gaps = [], float("-inf"), "", 0.0
+    for start, stop, name in kernels:
+        if last and start > end:
+            all_gaps += start - end
+            if start - end >= min_ms * 1e3:
+                gaps.append((start - end, end, start, last, name))
+        if stop > end:
+            end, last = stop, name
+
+    def covering(start, stop):
+        return [n for _, n in sorted((e - s, n) for s, e, n in host if min(e, stop) - max(s, start) >= 0.5 * (stop - start))]
+
+    during = {(start, stop): covering(start, stop) for _, start, stop, _, _ in gaps}
+    groups = {}
+    for length, start, stop, _, after in gaps:
+        phase = "backward" if any(n.startswith("autograd::engine") for n in during[start, stop]) else "forward"
+        count, total = groups.get((after[:60], phase), (0, 0.0))
+        groups[(after[:60], phase)] = (count + 1, total + length)
+    lines = [f"GPU idle between kernels: {all_gaps / 1e3:.1f} ms in all; {len(gaps)} gaps >= {min_ms} ms, "
+             f"{sum(g[0] for g in gaps) / 1e3:.1f} ms, by the kernel after them:",
+             "| kernel after | phase | gaps | ms |", "|---|---|---|---|"]
+    lines += [f"| {name} | {phase} | {count} | {total / 1e3:.1f} |"
+              for (name, phase), (count, total) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:rows]]
+    lines += ["The longest:", "| ms | kernel before | kernel after | host during the gap (innermost first) |",
+              "|---|---|---|---|"]
+    for length, start, stop, before, after in sorted(gaps, reverse=True)[:rows]:
+        host_events = "; ".join(dict.fromkeys(during[start, stop][:4]))
+        lines.append(f"| {length / 1e3:.2f} | {before[:50]} | {after[:50]} | {host_events[:160]} |")
+    return "\n".join(lines)
+
+
 def profile_step(step, args, label: str, rows: int = 40) -> None:
     """Print the kernels that take the step's time (one step under torch.profiler), by category and by name."""
     from torch.profiler import ProfilerActivity, profile
@@ -295,7 +340,7 @@ def profile_step(step, args, label: str, rows: int = 40) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"PROFILE {label}\n" + (kernel_summary(prof) + "\n" if torch.cuda.is_available() else "")
+    print(f"PROFILE {label}\n" + (kernel_summary(prof) + "\n" + idle_gaps(prof) + "\n" if torch.cuda.is_available() else "")
           + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
     print(f"HOST PROFILE {label} (cProfile of one more step: where the host's time goes)\n" + host_profile(step, args),
           flush=True)

@@ -215,6 +215,30 @@ def test_sliding_window_without_mask_mapping_falls_back(monkeypatch):
         assert_same(padded, run(model, head, packer, batch))
 
 
+def test_batches_packing_barely_shortens_run_padded():
+    # min_saved (the trainer's 'auto' on CUDA: PACK_MIN_SAVED): a batch that packing would shorten by less runs
+    # padded, said once; one that it shortens by more runs packed. Either way the results are the padded ones.
+    model = tiny_model("llama", lora=True)
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    padded = run(model, head, None, batch)
+    probe = Packer()
+    with _no_fallback():
+        run(model, head, probe, batch, grad=False)
+    saved = 1 - probe.last_plan.length / batch[0].numel()
+    assert 0.05 < saved < 0.95
+    barely = Packer(min_saved=saved + 0.01)
+    with pytest.warns(UserWarning, match=f"shorten by less than {saved + 0.01:.0%} run padded"):
+        assert_same(padded, run(model, head, barely, batch))
+    assert barely.last_plan is None
+    enough = Packer(min_saved=saved - 0.01)
+    with _no_fallback():
+        assert_same(padded, run(model, head, enough, batch))
+    assert enough.last_plan is not None
+    with pytest.raises(ValueError, match="min_saved"):
+        Packer(min_saved=1.0)
+
+
 def test_compiled_packed_graph_keeps_every_fusion():
     # Through the fastgrpo backend: the packed graph (dense mask, with grads; flex_attention BlockMask, forward
     # only on CPU) matches the same patterns at the same number of sites as the padded one, with no near misses.

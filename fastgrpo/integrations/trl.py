@@ -55,7 +55,7 @@ from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.report import GraphBreakLog
 from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
-from fastgrpo.integrations.packing import Packer
+from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
@@ -170,8 +170,8 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
     fastgrpo_packing: bool | str = field(
-        # On for CUDA by default: on the H200 (2026-11-29) the packed GRPO step ran at 1.51x the padded step's
-        # tokens/s on a 10-100 % length spread, at 0.77x its memory.
+        # On for CUDA by default: on the H200 the packed GRPO step ran at 1.51x the padded step's tokens/s on a
+        # 10-100 % length spread, at 0.77x its memory (2026-11-29), but at 0.86x with no padding (2026-11-30).
         default="auto",
         metadata={
             "help": "Run the log-prob forwards (policy, old policy, reference) on each mini-batch's rows packed into "
@@ -179,7 +179,9 @@ class GRPOConfig(TRLGRPOConfig):
             "(flex_attention BlockMask on CUDA; a dense mask with the model's SDPA/eager attention on CPU, up to "
             "8192 tokens). Batches or models it cannot pack (multimodal inputs, non-attention layers, ...) run "
             "padded, with a one-time warning saying why. 'auto' (default): on for CUDA, off on CPU (a dense mask "
-            "gains little there); True forces it; False runs padded."
+            "gains little there), and on CUDA only for batches that packing shortens by at least 15 % (padding and "
+            "shared prompts): below that the padded batch's fused attention is faster. True packs every batch it "
+            "can; False runs padded."
         },
     )
     fastgrpo_shared_prompt: bool = field(
@@ -614,7 +616,9 @@ class GRPOTrainer(TRLGRPOTrainer):
                     args.fastgrpo_compile and not (self._offload_on() and target is self.model),
                     self._compile_options(),
                 ),
-                packer=Packer(share_prompt=args.fastgrpo_shared_prompt) if self._packing_on() else None,
+                packer=Packer(share_prompt=args.fastgrpo_shared_prompt,
+                              min_saved=PACK_MIN_SAVED if args.fastgrpo_packing == "auto" else 0.0)
+                if self._packing_on() else None,
             )
             head.install(self._causal_lm(target))
             self._fastgrpo_heads.append(head)

@@ -280,13 +280,19 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     in shared memory), one row a program, 2 warps, 8 programs per SM (4 from 2048-wide blocks): on
     the H200 (sweep of 2026-11-30, `bench/bench_rms_norm.py --sweep bwd+dw add_bwd+dw --stages 0 2 3`,
     rows 32768, bf16) H = 576 41.2 us against 45.5 with the register prefetch (with the residual's
-    gradient 44.9 against 55.3), H = 1536 82.2 against 89.3 (99.4 against 105.4). Wider rows keep the
-    register prefetch (not swept)."""
+    gradient 44.9 against 55.3), H = 1536 82.2 against 89.3 (99.4 against 105.4). Up to 1024-wide
+    blocks one warp holds the row, so its two sums never leave the warp (no shared-memory exchange and
+    barrier per row), with 4 stages (3 with the residual's gradient, a third input in shared memory):
+    H = 576 36.8 us against 41.0 with 2 warps, 43.4 against 44.8 with the residual's gradient (sweep
+    of 2026-11-30, fifth session, `--stages 0 2 3 4`, 1 to 8 warps). Wider rows keep the register
+    prefetch (not swept)."""
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
+    if need_dw and block_h <= 1024:
+        return 1, 1, 8, (3 if has_dsum else 4)
     if need_dw and block_h <= 2048:
-        return 1, 2, (8 if block_h <= 1024 else 4), 3
+        return 1, 2, 4, 3
     if need_dw:
         block_row = max(1, 2048 // block_h)
         elements = block_row * block_h
