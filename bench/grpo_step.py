@@ -46,6 +46,7 @@ JSON lines with --merge to print one table with ratios.
 import argparse
 import gc
 import json
+import math
 import os
 import re
 import statistics
@@ -330,17 +331,55 @@ def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
     return "\n".join(lines)
 
 
+# aten matmul ops and the positions of their two operands among the recorded input shapes.
+MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::addmm_": (1, 2), "aten::bmm": (0, 1),
+                   "aten::baddbmm": (1, 2)}
+MATMUL_PEAK_TFLOPS = 790  # bf16 dense matmul measured on the H200 (DESIGN.md §4)
+THIN = 64  # a product with a dimension this small or smaller (LoRA's rank side) is bound by memory, not FLOPs
+
+
+def matmul_shapes(prof, rows: int = 20) -> str:
+    """Matmul device time by op and operand shapes, with the TFLOP/s each reached: which products run below the
+    GPU's matmul rate (LoRA's thin ones, split-K reductions) and what share of the matmul time they take."""
+    groups, cuda = [], torch.cuda.is_available()
+    for average in prof.key_averages(group_by_input_shape=True):
+        operands = MATMUL_OPERANDS.get(average.key)
+        shapes = average.input_shapes if operands else None
+        if not shapes or max(operands) >= len(shapes):
+            continue
+        a, b = shapes[operands[0]], shapes[operands[1]]
+        if len(a) < 2 or len(b) < 2:
+            continue
+        flop = 2 * math.prod(a[:-2]) * a[-2] * a[-1] * b[-1] * average.count
+        us = (getattr(average, "self_device_time_total", None) or getattr(average, "self_cuda_time_total", 0)
+              if cuda else average.self_cpu_time_total)
+        thin = min(a[-2], a[-1], b[-1]) <= THIN
+        groups.append((us / 1e3, flop, average.count, average.key, f"{list(a)} x {list(b)}", thin))
+    if not groups:
+        return "no matmuls recorded"
+    total_ms, total_flop = sum(g[0] for g in groups), sum(g[1] for g in groups)
+    thin_ms, thin_flop = sum(g[0] for g in groups if g[5]), sum(g[1] for g in groups if g[5])
+    lines = [f"matmuls: {total_flop / 1e12:.1f} TFLOP in {total_ms:.1f} ms ({total_flop / 1e9 / max(total_ms, 1e-9):.0f} "
+             f"TFLOP/s; {total_flop / 1e9 / MATMUL_PEAK_TFLOPS:.1f} ms at {MATMUL_PEAK_TFLOPS}); thin products (a dim <= "
+             f"{THIN}): {thin_flop / 1e12:.2f} TFLOP in {thin_ms:.1f} ms",
+             "| op | operands | calls | ms | TFLOP/s |", "|---|---|---|---|---|"]
+    for ms, flop, count, op, operands, _ in sorted(groups, reverse=True)[:rows]:
+        lines.append(f"| {op} | {operands} | {count} | {ms:.1f} | {flop / 1e9 / max(ms, 1e-9):.0f} |")
+    return "\n".join(lines)
+
+
 def profile_step(step, args, label: str, rows: int = 40) -> None:
     """Print the kernels that take the step's time (one step under torch.profiler), by category and by name."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step(*args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"PROFILE {label}\n" + (kernel_summary(prof) + "\n" + idle_gaps(prof) + "\n" if torch.cuda.is_available() else "")
+          + matmul_shapes(prof) + "\n"
           + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
     print(f"HOST PROFILE {label} (cProfile of one more step: where the host's time goes)\n" + host_profile(step, args),
           flush=True)

@@ -521,6 +521,58 @@ def test_gated_mlp_temporaries_bounded_by_chunk(path):
         assert peak_unchunked > 2 * peak
 
 
+class _InPlaceAdds(TorchDispatchMode):
+    """Shapes of the tensors that in-place adds (addmm_, add_) write into."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fastgrpo":  # look inside the op's implementation too
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        if func in (torch.ops.aten.addmm_.default, torch.ops.aten.add_.Tensor):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lora", ["both", "shared_a", "up"])
+def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
+    """Adapters in x's dtype (as autocast runs them): g and u with their LoRA terms come from one GEMM over
+    [x | s xa], and the backward's dh from one over [dy | dxa], so nothing adds a rank-r product into a
+    [rows, I] buffer afterwards (a read and a write of it); results as the separate products give them.
+    fp32 adapters on a bf16 base keep the separate products."""
+    hidden, inter, out_width, rank, rows = 12, 40, 10, 4, 24
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32):
+        return (torch.randn(*shape, generator=gen) * 0.3).to(dtype).requires_grad_()
+
+    for dtype, adapters, joined in ((torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, False)):
+        x, w_gate, w_up, w_down = rand(rows, hidden, dtype=dtype), rand(inter, hidden, dtype=dtype), \
+            rand(inter, hidden, dtype=dtype), rand(out_width, inter, dtype=dtype)
+        ga, gb = (rand(rank, hidden, dtype=adapters), rand(inter, rank, dtype=adapters)) if lora != "up" else (None, None)
+        ua = ga if lora == "shared_a" else rand(rank, hidden, dtype=adapters)
+        ub = rand(inter, rank, dtype=adapters)
+        da, db = rand(rank, inter, dtype=adapters), rand(out_width, rank, dtype=adapters)
+        assert (gated_mlp_module._joined_weight(w_gate, w_up, (ga, gb, ua, ub)) is not None) == joined
+        leaves = [t for t in dict.fromkeys((x, ga, gb, ua, ub, da, db)) if t is not None]
+        with rows_per_chunk(8), _InPlaceAdds() as adds:
+            y = gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, 0.5, "silu", w_down, da, db, 2.0)
+            grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+        assert ((8, inter) not in adds.shapes) == joined, adds.shapes  # a chunk's g, u or dh
+        g = x.float() @ w_gate.float().T + (0.5 * (x.float() @ ga.float().T) @ gb.float().T if ga is not None else 0)
+        u = x.float() @ w_up.float().T + 0.5 * (x.float() @ ua.float().T) @ ub.float().T
+        h = F.silu(g) * u
+        ref = h @ w_down.float().T + 2.0 * (h @ da.float().T) @ db.float().T
+        ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for got, want in zip((y, *grads), (ref, *ref_grads)):
+            assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
+
+
 def test_rows_per_chunk_sizing():
     """Default chunks: g/u buffer within 256 MiB, whole multiples of 128 rows, never under 1024."""
     for inter, dtype in ((8960, torch.bfloat16), (14336, torch.bfloat16), (8960, torch.float32),
