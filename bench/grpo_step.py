@@ -13,7 +13,8 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
             projections in its backward, and the offloaded checkpoint's recompute of a layer skips the
             MLP altogether (its output feeds only the residual add); attention runs on cuDNN's kernel
             (the attention pattern): what the TRL integration does with offloaded checkpointing
-  fastgrpo_flash  the same with SDPA's own kernel choice (flash) instead of cuDNN's attention
+  fastgrpo_flash  the same with SDPA's flash kernel (the attention pattern left out, flash forced while the
+            layers compile: torch 2.11's own choice on the H200 is cuDNN already)
   fastgrpo_save  the same with the op keeping the gate and up projections (save_mlp_projections=True;
             the recompute then runs the gate/up matmul to save them): the integration's form under
             checkpointing without offloading, and the `fastgrpo` row of this file before 2026-11-30's
@@ -198,6 +199,17 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
     else:
         raise ValueError(f"unknown system {system!r}")
     return step
+
+
+def with_flash_attention(step):
+    """The step with SDPA's flash kernel forced; the choice is made when the layers compile (the first step)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash_step(*args):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            step(*args)
+
+    return flash_step
 
 
 def with_mixed_precision(step, device: torch.device):
@@ -440,6 +452,8 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             ids, mask, adv, tokens, lengths = make_batch(vocab, prompt, completion, spread, device)
             result.update(tokens=tokens, lengths=lengths)
             step = with_mixed_precision(make_step(system, model, mask.shape[1], prompt), device)
+            if system == "fastgrpo_flash" and device.type == "cuda":
+                step = with_flash_attention(step)
             timed_steps(step, (ids, mask, adv), model, warmup)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
