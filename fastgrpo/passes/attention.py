@@ -1,9 +1,10 @@
 """Attention on cuDNN's fused kernel where it is eligible (CUDA, sm90 and newer).
 
 `F.scaled_dot_product_attention` picks its kernel when AOTAutograd traces the graph, by a priority
-order that depends on the torch version: torch 2.11 on an H200 already puts cuDNN first for the
+order that has changed across torch releases: torch 2.11 on an H200 already puts cuDNN first for the
 inputs below (asked on the device, 2026-11-30: the pass then changes nothing there and only confirms
-the choice in the report), earlier versions put flash first. On an H200, at the Qwen2.5-1.5B attention of the GRPO step
+the choice in the report); where a release puts flash first, the pass moves cuDNN ahead of it. On an
+H200, at the Qwen2.5-1.5B attention of the GRPO step
 (12 query / 2 key-value heads, head dim 128, causal, 8 x 4352 tokens, bf16), cuDNN's kernel takes
 3.38 ms forward + backward against flash's 5.97 ms (forward 0.84 against 1.45 ms), with grouped
 query attention as HF passes it (`enable_gqa=True`); bench/bench_attention.py. This pass reroutes
