@@ -198,14 +198,19 @@ def _rms_norm_bwd_kernel(
                 dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
                                   col_mask).to(tl.float32)
 
-        rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-        n = v * rstd[:, None]
+        sum_vv = tl.sum(v * v, axis=1)
         if NEED_DX:
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
                 g = dy
-            mean_gn = tl.sum(g * n, axis=1) / H
+            # sum(g * n) = rstd * sum(g * v): the row's two sums do not wait on each other (a row is
+            # one warp's work at narrow widths, where each sum is a chain of shuffles).
+            sum_gv = tl.sum(g * v, axis=1)
+        rstd = tl.math.rsqrt(sum_vv / H + eps)
+        n = v * rstd[:, None]
+        if NEED_DX:
+            mean_gn = rstd * sum_gv / H
             dx = (g - n * mean_gn[:, None]) * rstd[:, None]
             if HAS_DSUM:
                 dx += dsum
