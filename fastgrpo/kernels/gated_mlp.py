@@ -314,18 +314,26 @@ def _gate_up(x_rows, w_gate, w_up, gu_rows=None):
     return g, u, gu_rows
 
 
-def _joined_weight(w_gate, w_up, factors):
+# Joined weights are built per call, a copy of the projections' weights ([2I, H] read and written), to spare
+# a read and a write of [rows, I] per adapter: they pay from rows ~ H up, and cost where rows are few (a
+# decode step's handful of rows made the CPU main job's generation 1.3x slower). Joined from this many rows
+# per hidden unit.
+_JOIN_MIN_ROWS_PER_HIDDEN = 2
+
+
+def _joined_weight(w_gate, w_up, factors, rows):
     """[[W_g, B_g, 0], [W_u, 0, B_u]] ([2I, H + r_g + r_u]; [[W_g, B_g], [W_u, B_u]] for one A that both
     share; a projection without adapter has no B column block), or None. With it one GEMM of x joined with
     its scaled LoRA inputs, [x | s xa], gives both projections with their LoRA terms: adding a rank-r
     product into g and u afterwards reads and writes the whole [rows, 2I] buffer once more, ~0.6 ms a
     pass at 34,816 tokens of Qwen2.5-1.5B's MLP. Only for adapters in the base's dtype (as autocast runs
-    them), since one GEMM has one operand dtype; fp32 adapters on a bf16 base keep their own products."""
+    them), since one GEMM has one operand dtype (fp32 adapters on a bf16 base keep their own products),
+    and only for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit."""
     ga, gb, ua, ub = factors
     a = ga if ga is not None else ua
-    if a is None or a.dtype != w_gate.dtype:
-        return None
     inter, hidden = w_gate.shape
+    if a is None or a.dtype != w_gate.dtype or rows < _JOIN_MIN_ROWS_PER_HIDDEN * hidden:
+        return None
     rank_g = ga.shape[0] if ga is not None else 0
     rank_u = ua.shape[0] if ua is not None and ua is not ga else 0
     joined = w_gate.new_zeros(2 * inter, hidden + rank_g + rank_u)
@@ -553,7 +561,7 @@ def _gated_mlp_op(
     if skip_output and not save_projections:
         return out, gu  # the recompute re-saves x: nothing to compute
     a = _lora_a(factors)
-    joined = _joined_weight(w_gate, w_up, factors)
+    joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0])
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
         if skip_output:
@@ -600,8 +608,8 @@ def _gated_mlp_backward_op(
     a = _lora_a(factors)
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
-    joined = _joined_weight(w_gate, w_up, factors) if saved is None else None
-    joined_down = _joined_down_weight(w_down, down)
+    joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None else None
+    joined_down = _joined_down_weight(w_down, down, x2d.shape[0])
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
     # both LoRA x-side gradients are formed whenever either A or x needs them.
     need_da = need["gate_a"] or need["up_a"]
@@ -646,11 +654,11 @@ def _gated_mlp_backward_op(
     return grads
 
 
-def _joined_down_weight(w_down, down):
-    """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype, else None: dh of a chunk then comes from
-    one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a write of the
-    chunk's [rows, I] dh; see _joined_weight)."""
-    if down is None or down[0].dtype != w_down.dtype:
+def _joined_down_weight(w_down, down, rows):
+    """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None: dh of a chunk
+    then comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
+    write of the chunk's [rows, I] dh; see _joined_weight)."""
+    if down is None or down[0].dtype != w_down.dtype or rows < _JOIN_MIN_ROWS_PER_HIDDEN * w_down.shape[0]:
         return None
     return torch.cat((w_down, down[0]))
 
