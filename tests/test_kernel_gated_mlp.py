@@ -540,10 +540,11 @@ class _InPlaceAdds(TorchDispatchMode):
 
 @pytest.mark.parametrize("lora", ["both", "shared_a", "up"])
 def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
-    """Adapters in x's dtype (as autocast runs them): g and u with their LoRA terms come from one GEMM over
-    [x | s xa], and the backward's dh from one over [dy | dxa], so nothing adds a rank-r product into a
-    [rows, I] buffer afterwards (a read and a write of it); results as the separate products give them.
-    fp32 adapters on a bf16 base keep the separate products."""
+    """GPU path (here the Triton interpreter's), adapters in x's dtype (as autocast runs them): g and u with
+    their LoRA terms come from one GEMM over [x | s xa], and the backward's dh from one over [dy | dxa], so
+    nothing adds a rank-r product into a [rows, I] buffer afterwards (a read and a write of it); results as the
+    separate products give them. fp32 adapters on a bf16 base, a decode step's few rows and the CPU torch path
+    keep the separate products."""
     hidden, inter, out_width, rank, rows = 12, 40, 10, 4, 24  # rows >= 2 x hidden: joined
     gen = torch.Generator().manual_seed(0)
 
@@ -557,10 +558,13 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
         ua = ga if lora == "shared_a" else rand(rank, hidden, dtype=adapters)
         ub = rand(inter, rank, dtype=adapters)
         da, db = rand(rank, inter, dtype=adapters), rand(out_width, rank, dtype=adapters)
-        assert (gated_mlp_module._joined_weight(w_gate, w_up, (ga, gb, ua, ub), rows) is not None) == joined
-        assert gated_mlp_module._joined_weight(w_gate, w_up, (ga, gb, ua, ub), rows=2) is None  # a decode step
+        factors = (ga, gb, ua, ub)
+        assert gated_mlp_module._joined_weight(w_gate, w_up, factors, rows) is None  # the torch path
+        with path_ctx("triton"):
+            assert (gated_mlp_module._joined_weight(w_gate, w_up, factors, rows) is not None) == joined
+            assert gated_mlp_module._joined_weight(w_gate, w_up, factors, rows=2) is None  # a decode step
         leaves = [t for t in dict.fromkeys((x, ga, gb, ua, ub, da, db)) if t is not None]
-        with rows_per_chunk(8), _InPlaceAdds() as adds:
+        with path_ctx("triton"), rows_per_chunk(8), _InPlaceAdds() as adds:
             y = gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, 0.5, "silu", w_down, da, db, 2.0)
             grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
         assert ((8, inter) not in adds.shapes) == joined, adds.shapes  # a chunk's g, u or dh

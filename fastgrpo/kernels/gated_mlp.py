@@ -315,9 +315,9 @@ def _gate_up(x_rows, w_gate, w_up, gu_rows=None):
 
 
 # Joined weights are built per call, a copy of the projections' weights ([2I, H] read and written), to spare
-# a read and a write of [rows, I] per adapter: they pay from rows ~ H up, and cost where rows are few (a
-# decode step's handful of rows made the CPU main job's generation 1.3x slower). Joined from this many rows
-# per hidden unit.
+# a read and a write of [rows, I] per adapter: they can pay from rows ~ H up, not for a decode step's handful
+# of rows. Joined from this many rows per hidden unit, and on the GPU path only: the CPU torch path's GEMM over
+# the joined operands was slower than the separate products (the main job's training steps ~25 % slower).
 _JOIN_MIN_ROWS_PER_HIDDEN = 2
 
 
@@ -328,11 +328,12 @@ def _joined_weight(w_gate, w_up, factors, rows):
     product into g and u afterwards reads and writes the whole [rows, 2I] buffer once more, ~0.6 ms a
     pass at 34,816 tokens of Qwen2.5-1.5B's MLP. Only for adapters in the base's dtype (as autocast runs
     them), since one GEMM has one operand dtype (fp32 adapters on a bf16 base keep their own products),
-    and only for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit."""
+    and only on the GPU path for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit."""
     ga, gb, ua, ub = factors
     a = ga if ga is not None else ua
     inter, hidden = w_gate.shape
-    if a is None or a.dtype != w_gate.dtype or rows < _JOIN_MIN_ROWS_PER_HIDDEN * hidden:
+    if (a is None or a.dtype != w_gate.dtype or not _dispatch.use_triton(w_gate)
+            or rows < _JOIN_MIN_ROWS_PER_HIDDEN * hidden):
         return None
     rank_g = ga.shape[0] if ga is not None else 0
     rank_u = ua.shape[0] if ua is not None and ua is not ga else 0
@@ -657,8 +658,9 @@ def _gated_mlp_backward_op(
 def _joined_down_weight(w_down, down, rows):
     """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None: dh of a chunk
     then comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
-    write of the chunk's [rows, I] dh; see _joined_weight)."""
-    if down is None or down[0].dtype != w_down.dtype or rows < _JOIN_MIN_ROWS_PER_HIDDEN * w_down.shape[0]:
+    write of the chunk's [rows, I] dh; same conditions as _joined_weight)."""
+    if (down is None or down[0].dtype != w_down.dtype or not _dispatch.use_triton(w_down)
+            or rows < _JOIN_MIN_ROWS_PER_HIDDEN * w_down.shape[0]):
         return None
     return torch.cat((w_down, down[0]))
 
