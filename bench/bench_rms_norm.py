@@ -147,9 +147,19 @@ def check_agreement(mode, fns, rows, H, device):
                 raise AssertionError(f"{mode} H={H}: {name} output {i} differs from eager by {err:.3g} (relative)")
 
 
-def bench(mode, rows, H, with_inductor, with_liger):
+def timings(step, mode, rows, H):
+    """Medians of `step` with launch overhead (do_bench, with p20/p80) and as CUDA-graph replays, and the GB/s
+    of the op's counted bytes at each."""
     import triton.testing
 
+    ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
+    ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+    return dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph,
+                gbps=bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9,
+                gbps_cudagraph=bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9)
+
+
+def bench(mode, rows, H, with_inductor, with_liger):
     fns = providers(mode, with_inductor, with_liger)
     check_agreement(mode, fns, 256, H, "cuda")
     results = {}
@@ -163,20 +173,10 @@ def bench(mode, rows, H, with_inductor, with_liger):
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
-        ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
-        gbps = bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9
-        gbps_graph = bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9
-        results[name] = dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph, gbps=gbps,
-                             gbps_cudagraph=gbps_graph, peak_extra_mib=peak / 2**20)
+        results[name] = dict(timings(step, mode, rows, H), peak_extra_mib=peak / 2**20)
     step = same_bytes_step(mode, rows, H)
     step()
-    ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
-    ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
-    results["same bytes"] = dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph,
-                                 gbps=bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9,
-                                 gbps_cudagraph=bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9,
-                                 peak_extra_mib=0.0)
+    results["same bytes"] = dict(timings(step, mode, rows, H), peak_extra_mib=0.0)
     return results
 
 

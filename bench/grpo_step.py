@@ -274,6 +274,11 @@ KERNEL_CATEGORIES = [
 ]
 
 
+def is_copy(kernel_name: str) -> bool:
+    """A copy-engine transfer (host <-> device copy, memset), which runs beside the compute kernels."""
+    return re.search(KERNEL_CATEGORIES[0][1], kernel_name.lower()) is not None
+
+
 def kernel_summary(prof) -> str:
     """Device time of one profiled step by kernel category, and the GPU's busy time (union of its compute
     kernels' intervals, copies left out) against the step's wall time: how host-bound the step is."""
@@ -285,7 +290,7 @@ def kernel_summary(prof) -> str:
         category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name))
         count, time_us = totals.get(category, (0, 0.0))
         totals[category] = (count + 1, time_us + event.time_range.elapsed_us())
-        if not category.startswith("memcpy"):
+        if not is_copy(name):
             intervals.append((event.time_range.start, event.time_range.end))
     busy, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
@@ -307,7 +312,7 @@ def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
     for event in prof.events():
         interval = (event.time_range.start, event.time_range.end, event.name)
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            if not re.search(KERNEL_CATEGORIES[0][1], event.name.lower()):
+            if not is_copy(event.name):
                 kernels.append(interval)
         else:
             host.append(interval)

@@ -321,6 +321,12 @@ def _gate_up(x_rows, w_gate, w_up, gu_rows=None):
 _JOIN_MIN_ROWS_PER_HIDDEN = 2
 
 
+def _joins(weight, lora_a, rows, hidden):
+    """Whether a LoRA'd projection's product joins its base weight's GEMM (see _JOIN_MIN_ROWS_PER_HIDDEN)."""
+    return (lora_a is not None and lora_a.dtype == weight.dtype and _dispatch.use_triton(weight)
+            and rows >= _JOIN_MIN_ROWS_PER_HIDDEN * hidden)
+
+
 def _joined_weight(w_gate, w_up, factors, rows):
     """[[W_g, B_g, 0], [W_u, 0, B_u]] ([2I, H + r_g + r_u]; [[W_g, B_g], [W_u, B_u]] for one A that both
     share; a projection without adapter has no B column block), or None. With it one GEMM of x joined with
@@ -330,10 +336,8 @@ def _joined_weight(w_gate, w_up, factors, rows):
     them), since one GEMM has one operand dtype (fp32 adapters on a bf16 base keep their own products),
     and only on the GPU path for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit."""
     ga, gb, ua, ub = factors
-    a = ga if ga is not None else ua
     inter, hidden = w_gate.shape
-    if (a is None or a.dtype != w_gate.dtype or not _dispatch.use_triton(w_gate)
-            or rows < _JOIN_MIN_ROWS_PER_HIDDEN * hidden):
+    if not _joins(w_gate, ga if ga is not None else ua, rows, hidden):
         return None
     rank_g = ga.shape[0] if ga is not None else 0
     rank_u = ua.shape[0] if ua is not None and ua is not ga else 0
@@ -514,11 +518,12 @@ def _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, gu_r
     """(g, u, gu_rows, lora inputs as _lora_inputs gives them) of some rows, LoRA included, written into
     gu_rows (a new buffer if None); from one GEMM when there is a joined weight."""
     lora = _lora_inputs(x_rows, factors, a)
+    _, xa, lora_g, lora_u = lora
     if joined is not None:
-        g, u, gu_rows = _joined_gate_up(x_rows, lora[1], lora_scale, joined, gu_rows)
+        g, u, gu_rows = _joined_gate_up(x_rows, xa, lora_scale, joined, gu_rows)
     else:
         g, u, gu_rows = _gate_up(x_rows, w_gate, w_up, gu_rows)
-        _add_loras_(g, u, lora[2], lora[3], lora_scale)
+        _add_loras_(g, u, lora_g, lora_u, lora_scale)
     return g, u, gu_rows, lora
 
 
@@ -659,8 +664,7 @@ def _joined_down_weight(w_down, down, rows):
     """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None: dh of a chunk
     then comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
     write of the chunk's [rows, I] dh; same conditions as _joined_weight)."""
-    if (down is None or down[0].dtype != w_down.dtype or not _dispatch.use_triton(w_down)
-            or rows < _JOIN_MIN_ROWS_PER_HIDDEN * w_down.shape[0]):
+    if down is None or not _joins(w_down, down[0], rows, w_down.shape[0]):
         return None
     return torch.cat((w_down, down[0]))
 
