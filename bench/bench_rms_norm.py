@@ -219,7 +219,12 @@ def sweep_configs(kind, H, stages=(0,)):
     blocks = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8, 16, 32)
               if 4 <= br * block_h // (nw * 32) <= 32]
     per_sm_options = (None,) if kind.endswith("fwd") else (None, 4, 8)
-    return [(br, nw, per_sm, 0) for (br, nw), per_sm in itertools.product(blocks, per_sm_options)]
+    configs = [(br, nw, per_sm, 0) for (br, nw), per_sm in itertools.product(blocks, per_sm_options)]
+    if not kind.endswith("fwd") and block_h <= 2048:
+        # and, without dW too, one row a program with pipelined loads (`stages` > 0), as with dW
+        configs += [(1, nw, per_sm, n_stages) for n_stages in stages if n_stages > 0
+                    for nw in (1, 2) for per_sm in (4, 8, 12, 16) if 4 <= block_h // (nw * 32) <= 32]
+    return configs
 
 
 def sweep(rows, hidden_sizes, kinds, stages):

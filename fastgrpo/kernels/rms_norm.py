@@ -270,9 +270,21 @@ def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
 
 def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int], int]:
     """(rows per program, num_warps, programs per SM, pipeline stages) for the backward kernel,
-    whose programs are persistent (they loop over row blocks, prefetching the next). Stages 0:
-    each program keeps two row blocks of every input in registers (this one and the prefetched
-    next), so the block shrinks as inputs are added:
+    whose programs are persistent (they loop over row blocks, prefetching the next).
+
+    Up to 2048-wide blocks, with or without dW and the residual's gradient: one row a program and
+    Triton's software pipelining (stages - 1 row blocks in flight in shared memory). Up to 1024 wide,
+    one warp holds the row, so its two sums never leave the warp (no shared-memory exchange and
+    barrier per row), 8 programs per SM, 4 stages (3 with the residual's gradient, a third input in
+    shared memory); 2048 wide, 2 warps, 4 programs per SM, 3 stages. Measured on the H200 (rows 32768,
+    bf16; `bench/bench_rms_norm.py --sweep ... --stages 0 2 3 4` and the sixth session's probe of
+    2026-11-30), against the register prefetch below: with dW, H = 576 36.8 us against 45.5 (with the
+    residual's gradient 43.4 against 55.3), H = 1536 82.2 against 89.3; without dW (a frozen norm
+    weight, as under LoRA), H = 576 29.7 against 35.9 (37.9 against 43.2), H = 1536 74.8 against
+    77.6 (95.2 against 99.3).
+
+    Wider rows (stages 0): each program keeps two row blocks of every input in registers (this one
+    and the prefetched next), so the block shrinks as inputs are added:
       plain:             4096 to 16384 elements a program, 32 a thread;
       with dW:           2048 elements a program (or one row), 16 a thread (32 with the residual's
                          gradient as a third input), 4 programs per SM (2 from 4096 elements), the
@@ -281,22 +293,14 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
                          elements a program (or one row), 16 a thread, 8 programs per SM; the
                          plain rule's larger blocks (up to 16384 elements) run at half speed there
                          (H = 4096: 548 against 253 us).
-    With dW up to 2048-wide blocks the loop is pipelined instead (3 stages: two row blocks in flight
-    in shared memory), one row a program, 2 warps, 8 programs per SM (4 from 2048-wide blocks): on
-    the H200 (sweep of 2026-11-30, `bench/bench_rms_norm.py --sweep bwd+dw add_bwd+dw --stages 0 2 3`,
-    rows 32768, bf16) H = 576 41.2 us against 45.5 with the register prefetch (with the residual's
-    gradient 44.9 against 55.3), H = 1536 82.2 against 89.3 (99.4 against 105.4). Up to 1024-wide
-    blocks one warp holds the row, so its two sums never leave the warp (no shared-memory exchange and
-    barrier per row), with 4 stages (3 with the residual's gradient, a third input in shared memory):
-    H = 576 36.8 us against 41.0 with 2 warps, 43.4 against 44.8 with the residual's gradient (sweep
-    of 2026-11-30, fifth session, `--stages 0 2 3 4`, 1 to 8 warps). Wider rows keep the register
-    prefetch (not swept)."""
+    At H = 4096 the pipelined loads lose without dW (202.8 against 194.7 us; 282.3 against 252.8 with
+    the residual's gradient)."""
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
-    if need_dw and block_h <= 1024:
+    if block_h <= 1024:
         return 1, 1, 8, (3 if has_dsum else 4)
-    if need_dw and block_h <= 2048:
+    if block_h <= 2048:
         return 1, 2, 4, 3
     if need_dw:
         block_row = max(1, 2048 // block_h)
@@ -308,6 +312,16 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
         return block_row, min(32, max(2, block_row * block_h // 512)), 8, 0
     block_row = max(1, min(max(4 * block_h, 4096), 16384) // block_h)
     return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4), 0
+
+
+def _dw_reduce_config(programs: int) -> tuple[int, int, int]:
+    """(partials per load, columns per program, num_warps) of the dW reduction: one pass over the
+    partials per column block (a loop of loads would serialise on latency)."""
+    block_p = min(1024, _dispatch.next_power_of_2(programs))
+    # 8 columns a program: at H = 576, 72 programs read the 1056 partials (8 per SM x 132) instead of 36;
+    # H200, 2026-11-30: backward with dW 33.4 against 34.6 us (16 columns, 512 partials a load); H = 1536
+    # unchanged (78.7-79.0 us over the configurations tried).
+    return block_p, 8, max(1, min(8, block_p // 64))
 
 
 def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:
@@ -430,15 +444,14 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     if not weight_grad:
         return dx, src.new_empty(0)
     dw = torch.empty_like(weight)
-    # One pass over the partials per column block (a loop of loads would serialise on latency).
-    block_p = min(512, _dispatch.next_power_of_2(programs))
-    _dw_reduce_kernel[(_dispatch.cdiv(H, 16),)](
+    block_p, block_c, num_warps = _dw_reduce_config(programs)
+    _dw_reduce_kernel[(_dispatch.cdiv(H, block_c),)](
         dw_partial, dw, programs, H,
         DW_DTYPE=_TL_DTYPES[weight.dtype],
         EMULATE_BF16_RTNE=not src.is_cuda,
         BLOCK_P=block_p,
-        BLOCK_C=16,
-        num_warps=max(1, min(8, block_p // 64)),
+        BLOCK_C=block_c,
+        num_warps=num_warps,
     )
     return dx, dw
 
