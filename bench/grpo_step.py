@@ -45,6 +45,7 @@ JSON lines with --merge to print one table with ratios.
     python bench/grpo_step.py --merge $OUT/grpo_step.jsonl $OUT/unsloth_step.jsonl
 """
 import argparse
+import collections
 import gc
 import json
 import math
@@ -244,9 +245,11 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def timed_steps(step, args, model, count: int, before_each=None) -> list[float]:
+def timed_steps(step, args, model, count: int, before_each=None, host_times: list | None = None) -> list[float]:
     """`step(*args)` `count` times, the gradients cleared after each; returns each step's wall time in ms
-    (CUDA-synchronised). `before_each` runs untimed before each step (e.g. a barrier across ranks)."""
+    (CUDA-synchronised). `before_each` runs untimed before each step (e.g. a barrier across ranks).
+    `host_times`, if given, gets each step's host time in ms: until `step` returned, before the synchronize.
+    Close to the wall time, the step is bound by the host (or waits on the GPU inside: see sync_points)."""
     cuda = next(model.parameters()).device.type == "cuda"
     times = []
     for _ in range(count):
@@ -254,11 +257,79 @@ def timed_steps(step, args, model, count: int, before_each=None) -> list[float]:
             before_each()
         start = time.perf_counter()
         step(*args)
+        if host_times is not None:
+            host_times.append((time.perf_counter() - start) * 1e3)
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
         model.zero_grad(set_to_none=True)
     return times
+
+
+def host_lead(step, args, model) -> str:
+    """How far the host runs ahead of the GPU through one step: at each decoder layer's call (forward, then
+    the checkpoint's recompute in backward) the host time and the GPU time of a CUDA event recorded there,
+    from the step's start. A lead near zero means the GPU had caught up and waited on the host's launches
+    there (host-bound); a growing lead means the GPU was the bottleneck. Needs offloaded checkpointing (its
+    layer call, outside the compiled regions, is where the marks are recorded)."""
+    from fastgrpo.compiler.regions import repeated_blocks
+
+    marks = []
+
+    def mark(name):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, time.perf_counter(), event))
+
+    states = [block.__dict__.get("_fastgrpo_offload") for block in repeated_blocks(model.get_base_model())]
+    if any(state is None for state in states):
+        return "host lead: needs offloaded checkpointing"
+    originals = [state.call for state in states]
+    seen = collections.Counter()
+
+    def marked(layer, call):
+        def run(block, *a, **k):
+            seen[layer] += 1
+            mark(f"layer {layer}" + (" recompute" if seen[layer] > 1 else ""))
+            return call(block, *a, **k)
+        return run
+
+    for layer, state in enumerate(states):
+        state.call = marked(layer, state.call)
+    try:
+        torch.cuda.synchronize()
+        mark("start")
+        step(*args)
+        mark("step returned")
+        torch.cuda.synchronize()
+    finally:
+        for state, call in zip(states, originals):
+            state.call = call
+    _, host0, event0 = marks[0]
+    lines = ["| mark | host ms | GPU ms | lead ms |", "|---|---|---|---|"]
+    for name, host, event in marks:
+        host_ms, gpu_ms = (host - host0) * 1e3, event0.elapsed_time(event)
+        lines.append(f"| {name} | {host_ms:.1f} | {gpu_ms:.1f} | {gpu_ms - host_ms:.1f} |")
+    return "Host lead over the GPU through one step:\n" + "\n".join(lines)
+
+
+def sync_points(step, args, rows: int = 12) -> str:
+    """Where one step makes the host wait on the GPU (torch.cuda's sync debug mode: .item(), copies to
+    pageable host memory, nonzero, ...), by Python location: each one empties the GPU's queue."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    places = collections.Counter(f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+                                 if "synchroniz" in str(w.message))
+    lines = [f"{count} x {place}" for place, count in places.most_common(rows)]
+    return f"synchronizing calls in one step: {sum(places.values())}" + "".join("\n  " + line for line in lines)
 
 
 # Kernel-name patterns of the categories profile_step sums device time into (first match wins).
@@ -385,7 +456,7 @@ def matmul_shapes(prof, rows: int = 20) -> str:
     return "\n".join(lines)
 
 
-def profile_step(step, args, label: str, rows: int = 40) -> None:
+def profile_step(step, args, label: str, rows: int = 40, model=None) -> None:
     """Print the kernels that take the step's time (one step under torch.profiler), by category and by name."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -398,6 +469,10 @@ def profile_step(step, args, label: str, rows: int = 40) -> None:
     print(f"PROFILE {label}\n" + (kernel_summary(prof) + "\n" + idle_gaps(prof) + "\n" if torch.cuda.is_available() else "")
           + matmul_shapes(prof) + "\n"
           + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
+    if torch.cuda.is_available():
+        print(sync_points(step, args), flush=True)
+        if model is not None:
+            print(host_lead(step, args, model), flush=True)
     print(f"HOST PROFILE {label} (cProfile of one more step: where the host's time goes)\n" + host_profile(step, args),
           flush=True)
 
@@ -468,16 +543,18 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 gc.freeze()
             try:
                 with GcPauses() as pauses:
-                    times = timed_steps(step, (ids, mask, adv), model, repeat)
+                    host_times = []
+                    times = timed_steps(step, (ids, mask, adv), model, repeat, host_times=host_times)
             finally:
                 if frozen:  # a later system in this process, a peer maybe, starts with its collector as it was
                     gc.unfreeze()
             result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full, gc_frozen=frozen)
             if completion in profile_at:
-                profile_step(step, (ids, mask, adv), f"{system} completion={completion}")
+                profile_step(step, (ids, mask, adv), f"{system} completion={completion}", model=model)
                 model.zero_grad(set_to_none=True)
             median = statistics.median(times)
             result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
+                          host_ms_median=round(statistics.median(host_times), 1),
                           tokens_per_s=round(tokens / median * 1e3))
             if device.type == "cuda":
                 result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
