@@ -542,9 +542,10 @@ class _InPlaceAdds(TorchDispatchMode):
 def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
     """GPU path (here the Triton interpreter's), adapters in x's dtype (as autocast runs them): g and u with
     their LoRA terms come from one GEMM over [x | s xa], and the backward's dh from one over [dy | dxa], so
-    nothing adds a rank-r product into a [rows, I] buffer afterwards (a read and a write of it); results as the
-    separate products give them. fp32 adapters on a bf16 base, a decode step's few rows and the CPU torch path
-    keep the separate products."""
+    nothing adds a rank-r product into a [rows, I] buffer afterwards (a read and a write of it); dx and
+    dL/d(xa) come from one GEMM of [dg | du], so nothing adds into a chunk's dx in place either (with the
+    projections recomputed or saved); results as the separate products give them. fp32 adapters on a bf16
+    base, a decode step's few rows and the CPU torch path keep the separate products."""
     hidden, inter, out_width, rank, rows = 12, 40, 10, 4, 24  # rows >= 2 x hidden: joined
     gen = torch.Generator().manual_seed(0)
 
@@ -564,18 +565,21 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
             assert (gated_mlp_module._joined_weight(w_gate, w_up, factors, rows) is not None) == joined
             assert gated_mlp_module._joined_weight(w_gate, w_up, factors, rows=2) is None  # a decode step
         leaves = [t for t in dict.fromkeys((x, ga, gb, ua, ub, da, db)) if t is not None]
-        with path_ctx("triton"), rows_per_chunk(8), _InPlaceAdds() as adds:
-            y = gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, 0.5, "silu", w_down, da, db, 2.0)
-            grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
-        assert ((8, inter) not in adds.shapes) == joined, adds.shapes  # a chunk's g, u or dh
         g = x.float() @ w_gate.float().T + (0.5 * (x.float() @ ga.float().T) @ gb.float().T if ga is not None else 0)
         u = x.float() @ w_up.float().T + 0.5 * (x.float() @ ua.float().T) @ ub.float().T
         h = F.silu(g) * u
         ref = h @ w_down.float().T + 2.0 * (h @ da.float().T) @ db.float().T
         ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
         tol = 1e-5 if dtype == torch.float32 else 3e-2
-        for got, want in zip((y, *grads), (ref, *ref_grads)):
-            assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
+        for save_projections in (False, True):
+            chunk = 6  # rows: no accumulator has this shape ([A_g; A_u] is [8, hidden])
+            with path_ctx("triton"), rows_per_chunk(chunk), _InPlaceAdds() as adds:
+                y = gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, 0.5, "silu", w_down, da, db, 2.0, save_projections)
+                grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+            assert ((chunk, inter) not in adds.shapes) == joined, adds.shapes  # a chunk's g, u or dh
+            assert ((chunk, hidden) not in adds.shapes) == joined, adds.shapes  # a chunk's dx
+            for got, want in zip((y, *grads), (ref, *ref_grads)):
+                assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 
 
 def test_rows_per_chunk_sizing():

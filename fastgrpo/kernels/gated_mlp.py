@@ -334,7 +334,8 @@ def _joined_weight(w_gate, w_up, factors, rows):
     product into g and u afterwards reads and writes the whole [rows, 2I] buffer once more, ~0.6 ms a
     pass at 34,816 tokens of Qwen2.5-1.5B's MLP. Only for adapters in the base's dtype (as autocast runs
     them), since one GEMM has one operand dtype (fp32 adapters on a bf16 base keep their own products),
-    and only on the GPU path for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit."""
+    and only on the GPU path for `rows` of x from _JOIN_MIN_ROWS_PER_HIDDEN per hidden unit. The backward
+    multiplies [dg | du] by it for dx and dL/d(xa) at once (_joined_input_grads)."""
     ga, gb, ua, ub = factors
     inter, hidden = w_gate.shape
     if not _joins(w_gate, ga if ga is not None else ua, rows, hidden):
@@ -614,14 +615,17 @@ def _gated_mlp_backward_op(
     a = _lora_a(factors)
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
-    joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None else None
+    # The joined weight serves the recompute of g and u and, for dx, the GEMM of [dg | du] (_joined_input_grads).
+    joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None or need["x"] else None
     joined_down = _joined_down_weight(w_down, down, x2d.shape[0])
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
     # both LoRA x-side gradients are formed whenever either A or x needs them.
     need_da = need["gate_a"] or need["up_a"]
     need_dxa_g = ga is not None and (need["x"] or need_da)
     need_dxa_u = ua is not None and (need["x"] or need_da)
-    lora_back = _paired_lora_b(factors, x.dtype if saved is None else saved.dtype)
+    # dL/d(xa) from a product of its own (paired when it can be), unless the joined GEMM for dx gives it.
+    lora_back = None if need["x"] and joined is not None else _paired_lora_b(factors, x.dtype if saved is None
+                                                                             else saved.dtype)
 
     # fp32 gradient sums over the chunks, one per needed gradient (None until the first chunk's).
     needed = dict(w_gate=need["w_gate"], w_up=need["w_up"], a=need_da, gate_b=need["gate_b"], up_b=need["up_b"],
@@ -731,31 +735,56 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
     if h is not None:
         _down_grads(d_out_rows, h, down, down_lora, acc)
         del h
-    if lora_back is not None:
-        dxa = _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, lora_scale, need_dxa_g, acc)
+    if dx_rows is not None and joined is not None:
+        dxa = _joined_input_grads(dgu, joined, x_rows.shape[1], lora_g, lora_u, lora_scale, a, dx_rows, acc)
     else:
-        dxa_g = _lora_backward(dg, lora_g, lora_scale, need_dxa_g, acc, "gate_b")
-        dxa_u = _lora_backward(du, lora_u, lora_scale, need_dxa_u, acc, "up_b")
-        if ga is not None and ga is ua:
-            dxa = dxa_g + dxa_u
-        elif dxa_g is not None and dxa_u is not None:
-            dxa = torch.cat((dxa_g, dxa_u), dim=1)
-        else:
-            dxa = dxa_g if dxa_g is not None else dxa_u
-    # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
-    dxa = dxa.to(a.dtype) if dxa is not None else None
-    if dx_rows is not None:
-        if fused is not None:
-            torch.mm(dgu, fused, out=dx_rows)
-        else:
-            torch.mm(dg, w_gate, out=dx_rows)
-            dx_rows.addmm_(du, w_up)
-        if a is not None:  # LoRA path, in the adapters' dtype (PEFT casts x up, so back down here)
-            _add_product_(dx_rows, dxa, a)
+        dxa = _lora_input_grads(dgu, inter, lora_g, lora_u, lora_back, lora_scale, need_dxa_g, need_dxa_u,
+                                ga is not None and ga is ua, acc)
+        # dL/d(x_cast @ a^T), rounded to the adapters' dtype as PEFT's autograd holds it.
+        dxa = dxa.to(a.dtype) if dxa is not None else None
+        if dx_rows is not None:
+            if fused is not None:
+                torch.mm(dgu, fused, out=dx_rows)
+            else:
+                torch.mm(dg, w_gate, out=dx_rows)
+                dx_rows.addmm_(du, w_up)
+            if a is not None:  # LoRA path, in the adapters' dtype (PEFT casts x up, so back down here)
+                _add_product_(dx_rows, dxa, a)
     _accumulate(acc, "w_gate", dg.t(), x_rows)
     _accumulate(acc, "w_up", du.t(), x_rows)
     if "a" in acc:
         _accumulate(acc, "a", dxa.t(), x_cast)
+
+
+def _lora_input_grads(dgu, inter, lora_g, lora_u, lora_back, scale, need_dxa_g, need_dxa_u, shared_a, acc):
+    """Adds the B gradients of gate's and up's adapters and returns dL/d(xa) in fp32 (None if not needed), from
+    the chunk's [dg | du]: one paired GEMM when _paired_lora_b gives its matrix, else per projection."""
+    if lora_back is not None:
+        return _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, scale, need_dxa_g, acc)
+    dxa_g = _lora_backward(dgu[:, :inter], lora_g, scale, need_dxa_g, acc, "gate_b")
+    dxa_u = _lora_backward(dgu[:, inter:], lora_u, scale, need_dxa_u, acc, "up_b")
+    if shared_a:
+        return dxa_g + dxa_u
+    if dxa_g is not None and dxa_u is not None:
+        return torch.cat((dxa_g, dxa_u), dim=1)
+    return dxa_g if dxa_g is not None else dxa_u
+
+
+def _joined_input_grads(dgu, joined, hidden, lora_g, lora_u, scale, a, dx_rows, acc):
+    """The backward through x for a chunk whose projections join LoRA (_joined_weight's J = [[W_g, B_g, 0],
+    [W_u, 0, B_u]]): one GEMM [dg | du] @ J gives dg W_g + du W_u beside dL/d(xa) / scale laid out like xa,
+    where two base GEMMs (the second adding into the first's output) and the paired LoRA product each read
+    [dg | du] or dx again. Adds the B gradients, writes dx_rows = dg W_g + du W_u + dL/d(xa) A and returns
+    dL/d(xa), in x's dtype as PEFT's autograd holds it under autocast."""
+    inter = joined.shape[0] // 2
+    if lora_g is not None:
+        _accumulate(acc, "gate_b", dgu[:, :inter].t(), lora_g[0])
+    if lora_u is not None:
+        _accumulate(acc, "up_b", dgu[:, inter:].t(), lora_u[0])
+    both = torch.mm(dgu, joined)
+    dxa = both[:, hidden:] if scale == 1.0 else both[:, hidden:] * scale
+    torch.addmm(both[:, :hidden], dxa, a, out=dx_rows)
+    return dxa
 
 
 def _paired_lora_b(factors, grad_dtype):
