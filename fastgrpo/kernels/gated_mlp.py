@@ -776,15 +776,19 @@ def _joined_input_grads(dgu, joined, hidden, lora_g, lora_u, scale, a, dx_rows, 
     where two base GEMMs (the second adding into the first's output) and the paired LoRA product each read
     [dg | du] or dx again. Adds the B gradients, writes dx_rows = dg W_g + du W_u + dL/d(xa) A and returns
     dL/d(xa), in x's dtype as PEFT's autograd holds it under autocast."""
-    inter = joined.shape[0] // 2
-    if lora_g is not None:
-        _accumulate(acc, "gate_b", dgu[:, :inter].t(), lora_g[0])
-    if lora_u is not None:
-        _accumulate(acc, "up_b", dgu[:, inter:].t(), lora_u[0])
+    _add_b_grads(dgu, joined.shape[0] // 2, lora_g, lora_u, acc)
     both = torch.mm(dgu, joined)
     dxa = both[:, hidden:] if scale == 1.0 else both[:, hidden:] * scale
     torch.addmm(both[:, :hidden], dxa, a, out=dx_rows)
     return dxa
+
+
+def _add_b_grads(dgu, inter, lora_g, lora_u, acc):
+    """Adds the chunk's share of gate's and up's B gradients, [dg | du]'s halves^T xa (scaled once at the end)."""
+    if lora_g is not None:
+        _accumulate(acc, "gate_b", dgu[:, :inter].t(), lora_g[0])
+    if lora_u is not None:
+        _accumulate(acc, "up_b", dgu[:, inter:].t(), lora_u[0])
 
 
 def _paired_lora_b(factors, grad_dtype):
@@ -804,8 +808,7 @@ def _paired_lora_backward(dgu, inter, lora_g, lora_u, lora_back, scale, need_dxa
     """_lora_backward for gate and up at once, from the chunk's [rows, 2I] buffer [dg | du]: the two B
     gradients as before, and dL/d(xa) for both adapters from one GEMM against _paired_lora_b's matrix
     (one launch where two products, two scalings and a concatenation took five)."""
-    _accumulate(acc, "gate_b", dgu[:, :inter].t(), lora_g[0])
-    _accumulate(acc, "up_b", dgu[:, inter:].t(), lora_u[0])
+    _add_b_grads(dgu, inter, lora_g, lora_u, acc)
     if not need_dxa:
         return None
     dxa = _mm_fp32(dgu, lora_back)
