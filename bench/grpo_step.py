@@ -313,6 +313,30 @@ def host_lead(step, args, model) -> str:
     return "Host lead over the GPU through one step:\n" + "\n".join(lines)
 
 
+def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
+    """A/B in one process: `repeat` steps with `setting` ("module.attr=literal") applied, then `repeat` as it
+    was, twice over (one settling step before each block). The host and GPU stay the same, so the difference
+    is the change's, without the spread between lent machines (the same step took 749-783 ms on four of them)."""
+    import ast
+    import importlib
+
+    target, value = setting.split("=", 1)
+    module_name, attr = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original, changed = getattr(module, attr), ast.literal_eval(value)
+    lines = []
+    try:
+        for label, current in (("changed", changed), ("as is", original)) * 2:
+            setattr(module, attr, current)
+            timed_steps(step, args, model, 1)
+            times = timed_steps(step, args, model, repeat)
+            lines.append(f"AB {target} = {current!r} ({label}): median {statistics.median(times):.1f} ms, "
+                         f"{[round(t, 1) for t in times]}")
+    finally:
+        setattr(module, attr, original)
+    return "\n".join(lines)
+
+
 def sync_points(step, args, rows: int = 12) -> str:
     """Where one step makes the host wait on the GPU (torch.cuda's sync debug mode: .item(), copies to
     pageable host memory, nonzero, ...), by Python location: each one empties the GPU's queue."""
@@ -512,7 +536,7 @@ def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
 
 def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool,
         profile_at: tuple[int, ...] = (), prompt: int = PROMPT, spread: bool = False,
-        gc_freeze: bool = True) -> list[dict]:
+        gc_freeze: bool = True, ab: str | None = None) -> list[dict]:
     results = []
     try:
         model = build_policy(system, prompt + max(completions) + 8, tiny)
@@ -545,6 +569,8 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 with GcPauses() as pauses:
                     host_times = []
                     times = timed_steps(step, (ids, mask, adv), model, repeat, host_times=host_times)
+                if ab:
+                    print(ab_blocks(step, (ids, mask, adv), model, repeat, ab), flush=True)
             finally:
                 if frozen:  # a later system in this process, a peer maybe, starts with its collector as it was
                     gc.unfreeze()
@@ -640,6 +666,9 @@ def main() -> int:
     parser.add_argument("--mlp-chunk-mib", type=int,
                         help="bytes of the gated-MLP op's per-chunk projection buffer (default 256 MiB); the systems' "
                              "names get a _chunk<MiB> suffix")
+    parser.add_argument("--ab", metavar="MODULE.ATTR=VALUE",
+                        help="after each timed row, A/B a setting in the same process (ab_blocks), e.g. "
+                             "fastgrpo.kernels.gated_mlp._JOIN_MIN_ROWS_PER_HIDDEN=1000000000")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()
@@ -656,7 +685,7 @@ def main() -> int:
     for prompt in [int(p) for p in args.prompt.split(",")]:
         for system in args.systems.split(","):
             rows = run(system, completions, args.warmup, args.repeat, args.tiny, profile_at, prompt,
-                       args.spread, not args.no_gc_freeze)
+                       args.spread, not args.no_gc_freeze, args.ab)
             for row in rows if args.mlp_chunk_mib else ():
                 row["system"] += f"_chunk{args.mlp_chunk_mib}"
             results += rows
