@@ -106,6 +106,21 @@ run_step() {
     logprob_bench) step logprob_bench 200 "$OURS" python3 bench/bench_selective_logprob.py --impls ${LOGPROB_IMPLS:-fastgrpo fastgrpo_recompute trl compiled liger} ;;
     logprob_sweep) step logprob_sweep 150 "$OURS" python3 bench/bench_selective_logprob.py --sweep ;;
     save) step save 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_save --completions $COMPLETIONS $STEP_ARGS ;;
+    # A code change timed against what it replaced, in one call (lent machines differ by several % on the same
+    # step): the fastgrpo step on this tree and on a copy of its fastgrpo/ and bench/ with the files under .baseline/
+    # laid over them, twice each, alternating. Make them here, e.g. `mkdir -p .baseline/fastgrpo/kernels && git show
+    # REV:fastgrpo/kernels/gated_mlp.py > .baseline/fastgrpo/kernels/gated_mlp.py`, and carry .baseline. The copy runs
+    # from its own directory with itself first on PYTHONPATH, ahead of the editable install of this tree; its JSON
+    # lines go to $OUT/baseline/.
+    baseline)
+      [ -d .baseline ] || { echo "baseline: no .baseline/ to lay over the tree"; return; }
+      rm -rf /tmp/baseline_tree && mkdir -p /tmp/baseline_tree "$OUT/baseline" && cp -r fastgrpo bench /tmp/baseline_tree/ \
+        && cp -r .baseline/. /tmp/baseline_tree/
+      for round in 1 2; do
+        step "now_$round" ${STEP_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS
+        step "baseline_$round" ${STEP_CAP:-120} "PYTHONPATH=/tmp/baseline_tree:/tmp/site_t:/tmp/site OUT=$OUT/baseline" bash -c "cd /tmp/baseline_tree && \
+          exec python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS"
+      done ;;
     *) echo "unknown step $1" ;;
   esac
 }
