@@ -279,9 +279,9 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     shared memory); 2048 wide, 2 warps, 4 programs per SM, 3 stages. Measured on the H200 (rows 32768,
     bf16; `bench/bench_rms_norm.py --sweep ... --stages 0 2 3 4` and the sixth session's probe of
     2026-11-30), against the register prefetch below: with dW, H = 576 36.8 us against 45.5 (33.4 with
-    _dw_reduce_config's 8 columns; with the residual's gradient 43.4 against 55.3), H = 1536 82.2 against 89.3; without dW (a frozen norm
-    weight, as under LoRA), H = 576 29.7 against 35.9 (37.9 against 43.2), H = 1536 74.8 against
-    77.6 (95.2 against 99.3).
+    _dw_reduce_config's 8 columns; with the residual's gradient 43.4 against 55.3), H = 1536 82.2
+    against 89.3; without dW (a frozen norm weight, as under LoRA), H = 576 29.7 against 35.9 (37.9
+    against 43.2), H = 1536 74.8 against 77.6 (95.2 against 99.3).
 
     Wider rows (stages 0): each program keeps two row blocks of every input in registers (this one
     and the prefetched next), so the block shrinks as inputs are added:
