@@ -22,6 +22,7 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product)
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
+  fastgrpo_nojoin  the same without the joined-projections pattern (q, k, v and their LoRA A's in six GEMMs)
   fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
             on CUDA, log-probs only at completion positions); the plan and mask are built inside
@@ -71,6 +72,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_nomlp": None,
+    "fastgrpo_nojoin": None,
     "fastgrpo_packed": None,
     "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
@@ -78,7 +80,8 @@ FASTGRPO_OPTIONS = {
 }
 # Variants that run every pattern but these (resolved against fastgrpo.passes.PASSES when the system is built, so a
 # pattern added later is not silently left out).
-PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated_mlp",)}
+PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated_mlp",),
+                     "fastgrpo_nojoin": ("joined_projections",)}
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
           "fastgrpo_packed_actmul": False}

@@ -164,7 +164,8 @@ def test_varying_prompt_and_completion_lengths_compile_at_most_twice():
     for report in reports:  # the dynamic-shape graph still has every site
         matched = {name: rec["matched"] for name, rec in report["patterns"].items()}
         assert matched == {"selective_logprob": 1, "rms_norm": count_modules(model, "RMSNorm"),
-                           "rope": layers, "gated_mlp": layers, "attention": 0}, matched  # CPU: SDPA's own kernel
+                           "rope": layers, "gated_mlp": layers, "attention": 0,  # CPU: SDPA's own kernel
+                           "joined_projections": 0}, matched  # CPU: joined on CUDA only
     # The last step, compiled and eager, gives the same loss and gradients.
     model.zero_grad()
     loss = compiled(ids, mask, advantages)

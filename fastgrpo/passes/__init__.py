@@ -6,12 +6,13 @@ into the norm, and the rotation lost. The gated MLP goes before RMSNorm for the 
 the MLP's output feeds a post-norm (Gemma2, Gemma3, OLMo2), the add of a LoRA-wrapped down
 projection (`base(h) + lora(h)`) would be fused into the norm as a residual add, and the down
 projection could no longer be absorbed into the MLP op. Attention (which SDPA kernel runs) is
-independent of the others and goes last.
+independent of the others. Joined projections go last: they take the linears no other pattern absorbed
+(the MLP's gate and up are already in its op; q, k, v and their LoRA A's remain).
 
 Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
 sites into calls of `fastgrpo::` custom ops and records matches and near misses.
 """
-from fastgrpo.passes import attention, gated_mlp, rms_norm, rope, selective_logprob
+from fastgrpo.passes import attention, gated_mlp, joined_projections, rms_norm, rope, selective_logprob
 from fastgrpo.passes._record import PatternRecord
 
 PASSES = {
@@ -20,6 +21,7 @@ PASSES = {
     gated_mlp.NAME: gated_mlp,
     rms_norm.NAME: rms_norm,
     attention.NAME: attention,
+    joined_projections.NAME: joined_projections,
 }
 
 __all__ = ["PASSES", "PatternRecord"]
