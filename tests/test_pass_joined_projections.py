@@ -86,6 +86,21 @@ def test_joined_layers_run_fewer_matmuls_forward_and_backward():
     assert apart_bwd - joined_bwd >= 4 * layers
 
 
+def _compiled_record(model, x, inner="aot_eager"):
+    """`model(x)` through the backend, joining on CPU, with fresh reports: (output, the joined_projections record)."""
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="fastgrpo", options={"inner": inner, **JOIN})(x)
+    (record,) = _joined_records()
+    return out, record
+
+
+def _assert_not_joined(record, site, reason):
+    assert record["matched"] == 0
+    assert [m["site"] for m in record["near_misses"]] == [site]
+    assert reason in record["near_misses"][0]["reason"]
+
+
 class _MergesLastDim(torch.nn.Module):
     """Two projections of x, one of them viewed with its last dim merged into the one before."""
 
@@ -127,13 +142,9 @@ def test_trained_weights_without_a_gradient_path_keep_their_linears():
     model(x).sum().backward()
     assert model.b.weight.grad is None and model.c.weight.grad is None
     model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager", **JOIN})(x).sum().backward()
-    (record,) = _joined_records()
-    assert record["matched"] == 0
-    assert [m["site"] for m in record["near_misses"]] == ["{a, b}"]
-    assert "reach no output with a gradient" in record["near_misses"][0]["reason"]
+    out, record = _compiled_record(model, x)
+    out.sum().backward()
+    _assert_not_joined(record, "{a, b}", "reach no output with a gradient")
     assert model.a.weight.grad is not None and model.b.weight.grad is None and model.c.weight.grad is None
 
 
@@ -155,13 +166,8 @@ def test_under_no_grad_trained_weights_join_too():
 
 def test_a_view_merging_the_last_dim_keeps_the_linears_and_says_why():
     model, x = _MergesLastDim(), torch.randn(3, 5, 8, requires_grad=True)
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    out = torch.compile(model, backend="fastgrpo", options={"inner": "eager", **JOIN})(x)
-    (record,) = _joined_records()
-    assert record["matched"] == 0
-    assert [m["site"] for m in record["near_misses"]] == ["{a, b}"]
-    assert "merging the last dim" in record["near_misses"][0]["reason"]
+    out, record = _compiled_record(model, x, inner="eager")
+    _assert_not_joined(record, "{a, b}", "merging the last dim")
     torch.testing.assert_close(out, model(x))
 
 
@@ -172,11 +178,8 @@ def test_biases_join_only_with_biases():
     expected.sum().backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    actual = torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager", **JOIN})(x)
+    actual, record = _compiled_record(model, x)
     actual.sum().backward()
-    (record,) = _joined_records()
     assert [(s["site"], s["form"]) for s in record["sites"]] == [("{a, c}", "2 linears in one GEMM, widths 6+4")]
     torch.testing.assert_close(actual, expected)
     for name, param in model.named_parameters():
@@ -221,11 +224,6 @@ def test_a_group_whose_nodes_cannot_be_built_is_left_as_it_was_and_reported(monk
 
     monkeypatch.setattr(joined_projections, "_new_node", failing_narrow)
     model, x = _MixedBias(), torch.randn(3, 5, 8, requires_grad=True)
-    fastgrpo.clear_fusion_reports()
-    torch._dynamo.reset()
-    out = torch.compile(model, backend="fastgrpo", options={"inner": "aot_eager", **JOIN})(x)
-    (record,) = _joined_records()
-    assert record["matched"] == 0
-    assert [m["site"] for m in record["near_misses"]] == ["{a, c}"]
-    assert "could not be built (RuntimeError: Cannot call numel()" in record["near_misses"][0]["reason"]
+    out, record = _compiled_record(model, x)
+    _assert_not_joined(record, "{a, c}", "could not be built (RuntimeError: Cannot call numel()")
     torch.testing.assert_close(out, model(x))
