@@ -179,14 +179,9 @@ def _join(graph: fx.Graph, members: list[fx.Node], parts: list[tuple], order: di
     return None
 
 
-def _on_cuda(graph: fx.Graph) -> bool:
-    return any(isinstance(value(n), torch.Tensor) and value(n).device.type == "cuda"
-               for n in graph.nodes if n.op == "placeholder")
-
-
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
     graph = gm.graph
-    if not (options.join_projections if options.join_projections is not None else _on_cuda(graph)):
+    if options.join_projections is False:
         return
     order = {node: i for i, node in enumerate(graph.nodes)}
     grad_enabled = _grad_enabled(graph)
@@ -199,7 +194,8 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
             region += 1
         elif is_kind(node, "linear"):
             parts = _linear_parts(node)
-            if parts is not None:
+            # By default CUDA weights only (module docstring).
+            if parts is not None and (options.join_projections or value(parts[1]).device.type == "cuda"):
                 groups.setdefault(_group_key(region, *parts), []).append((node, parts))
     changed = False
     for group in groups.values():
