@@ -26,7 +26,7 @@ class Options:
     # the product, its gradient and dgate/dup exist only chunk by chunk inside the op.
     save_mlp_projections: bool = False
     # Join linears of one input (q, k, v; their LoRA A's) into one GEMM each (passes/joined_projections.py). None:
-    # on CUDA graphs only, where the saved reads of x pay (H200, Qwen2.5-1.5B GRPO step at 4096: 732 against 743
+    # for CUDA weights only, where the saved reads of x pay (H200, Qwen2.5-1.5B GRPO step at 4096: 732 against 743
     # ms); on the CPU the joined GEMM only sums in another order (fp32 results then differ from stock TRL's in the
     # last bits). True or False: everywhere or nowhere.
     join_projections: bool | None = None

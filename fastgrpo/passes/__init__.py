@@ -10,7 +10,8 @@ independent of the others. Joined projections go last: they take the linears no 
 (the MLP's gate and up are already in its op; q, k, v and their LoRA A's remain).
 
 Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
-sites into calls of `fastgrpo::` custom ops and records matches and near misses.
+sites (into calls of `fastgrpo::` custom ops; attention and joined projections into other torch
+calls) and records matches and near misses.
 """
 from fastgrpo.passes import attention, gated_mlp, joined_projections, rms_norm, rope, selective_logprob
 from fastgrpo.passes._record import PatternRecord
