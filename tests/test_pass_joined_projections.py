@@ -215,14 +215,14 @@ def test_a_group_whose_nodes_cannot_be_built_is_left_as_it_was_and_reported(monk
     could not take on the GPU): the group keeps its linears, the graph is as it was, the report says why."""
     from fastgrpo.passes import joined_projections
 
-    new_node = joined_projections._new_node
+    call_with_example = joined_projections.call_with_example
 
     def failing_narrow(graph, target, args):
         if target is torch.narrow:
             raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
-        return new_node(graph, target, args)
+        return call_with_example(graph, target, args)
 
-    monkeypatch.setattr(joined_projections, "_new_node", failing_narrow)
+    monkeypatch.setattr(joined_projections, "call_with_example", failing_narrow)
     model, x = _MixedBias(), torch.randn(3, 5, 8, requires_grad=True)
     out, record = _compiled_record(model, x)
     _assert_not_joined(record, "{a, c}", "could not be built (RuntimeError: Cannot call numel()")

@@ -196,6 +196,24 @@ def all_graph_modules(gm: fx.GraphModule):
             yield from all_graph_modules(child)
 
 
+def target_name(node: fx.Node) -> str:
+    """The name of what a node calls: a method's name, or a function's `__name__`."""
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def call_with_example(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A call to `target` inserted at the graph's insertion point, with its example value computed on the fake
+    inputs (later checks read it). The fakes are detached first: on fakes that require grad autograd would record
+    the call, and a checkpoint whose forward is being traced (the first call compiles) would count what that
+    saves as the forward's own saved tensors, its recompute then finding fewer. requires_grad is set back by hand."""
+    node = graph.call_function(target, args)
+    examples = fx.node.map_arg(args, value)
+    tracked = any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(examples))
+    example = target(*torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples))
+    node.meta["example_value"] = example.requires_grad_() if tracked else example
+    return node
+
+
 def erase_unused(graph: fx.Graph, nodes) -> None:
     """Erase the replaced pattern nodes, last first, skipping any still read elsewhere."""
     for node in reversed(list(nodes)):
@@ -218,10 +236,10 @@ def value_key(x: Any, depth: int = 8) -> Any:
     GPT-J and CodeGen do). Placeholders, random or in-place ops, and anything deeper than
     `depth` are keyed by identity."""
     if isinstance(x, fx.Node):
-        target_name = getattr(x.target, "__name__", str(x.target))
+        name = target_name(x)
         pure = (
             x.op in ("call_function", "call_method") and depth > 0 and not x.is_impure()
-            and not target_name.endswith("_") and not any(r in target_name for r in _RANDOM_OPS)
+            and not name.endswith("_") and not any(r in name for r in _RANDOM_OPS)
         )
         if not pure:
             return x

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fastgrpo.passes._fx import arg, is_kind, site_name, value, value_key
+from fastgrpo.passes._fx import arg, call_with_example, is_kind, site_name, target_name, value, value_key
 from fastgrpo.passes._record import PatternRecord
 
 NAME = "joined_projections"
@@ -57,7 +57,7 @@ def _takes_column_slice(node: fx.Node) -> bool:
     In-place ops are left alone (they would write into the joined output, which other outputs view)."""
     out = value(node)
     for user in node.users:
-        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        name = target_name(user)
         if name.endswith("_") and not name.endswith("__"):
             return False
         if not (user.op == "call_method" and user.target == "view" or user.target is torch.Tensor.view):
@@ -79,8 +79,7 @@ def _feeds_gradient(node: fx.Node, grad_enabled: dict) -> bool:
             if user.op == "output":
                 return True
             example = value(user)
-            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-            if (user in seen or not grad_enabled.get(user, True) or name == "detach"
+            if (user in seen or not grad_enabled.get(user, True) or target_name(user) == "detach"
                     or isinstance(example, torch.Tensor) and not example.dtype.is_floating_point):
                 continue
             seen.add(user)
@@ -104,17 +103,26 @@ def _same_sizes(a, b) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
-def _movable_before(node: fx.Node, point: fx.Node, order: dict) -> bool:
+def _regions(graph: fx.Graph) -> dict:
+    """Each node's stretch of the graph between side effects (a grad-mode switch, an autocast region's entry or
+    exit, ...): numbered in graph order, a side effect starting the next one."""
+    region, regions = 0, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.is_impure():
+            region += 1
+        regions[node] = region
+    return regions
+
+
+def _movable_before(node: fx.Node, point: fx.Node, order: dict, regions: dict) -> bool:
     """Whether `node` (a weight or bias operand) is defined before `point`, or can be moved there: a pure
-    call (the autocast pass's `A.to(bf16)`) whose own operands are all defined before `point`, with no side
-    effect in between (it stays in point's grad-mode and autocast region)."""
+    call (the autocast pass's `A.to(bf16)`) whose own operands are all defined before `point`, in point's
+    stretch between side effects (so it stays in the same grad mode and autocast region)."""
     if order[node] < order[point]:
         return True
     if node.op not in ("call_function", "call_method") or node.is_impure():
         return False
-    between = list(order)[order[point]:order[node]]
-    return (all(order[a] < order[point] for a in node.all_input_nodes)
-            and not any(n.op == "call_function" and n.is_impure() for n in between))
+    return regions[node] == regions[point] and all(order[a] < order[point] for a in node.all_input_nodes)
 
 
 def _group_site(paths: list[str]) -> str:
@@ -130,19 +138,6 @@ def _group_site(paths: list[str]) -> str:
     return ".".join([*split[0][:head], "{" + ", ".join(middles) + "}", *split[0][len(split[0]) - tail:]])
 
 
-def _new_node(graph: fx.Graph, target, args: tuple) -> fx.Node:
-    node = graph.call_function(target, args)
-    # The example value comes from detached fake inputs: with inputs that require grad autograd would record the
-    # call, and a checkpoint whose forward is being traced (the first call compiles) would count what it saves as
-    # the forward's own saved tensors, its recompute then finding fewer. requires_grad is set back by hand.
-    examples = fx.node.map_arg(args, value)
-    tracked = any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(examples))
-    detached = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples)
-    example = target(*detached)
-    node.meta["example_value"] = example.requires_grad_() if tracked else example
-    return node
-
-
 def _join(graph: fx.Graph, members: list[fx.Node], parts: list[tuple], order: dict) -> str | None:
     """Rewrites the group; returns None, or why it could not (the graph is then as it was, but for weight casts
     moved up to the first member, which changes nothing)."""
@@ -156,17 +151,17 @@ def _join(graph: fx.Graph, members: list[fx.Node], parts: list[tuple], order: di
     created = []
     try:
         with graph.inserting_before(first):
-            created.append(_new_node(graph, torch.cat, ([w for _, w, _ in parts], 0)))
+            created.append(call_with_example(graph, torch.cat, ([w for _, w, _ in parts], 0)))
             bias = None
             if parts[0][2] is not None:
-                bias = _new_node(graph, torch.cat, ([b for _, _, b in parts], 0))
+                bias = call_with_example(graph, torch.cat, ([b for _, _, b in parts], 0))
                 created.append(bias)
-            joined = _new_node(graph, torch.nn.functional.linear, (x, created[0], bias))
+            joined = call_with_example(graph, torch.nn.functional.linear, (x, created[0], bias))
             created.append(joined)
             starts = [sum(widths[:i]) for i in range(len(widths))]
             pieces = []
             for start, width in zip(starts, widths):
-                pieces.append(_new_node(graph, torch.narrow, (joined, -1, start, width)))
+                pieces.append(call_with_example(graph, torch.narrow, (joined, -1, start, width)))
                 created.append(pieces[-1])
     except Exception as error:  # the example values of the new nodes (a symbolic size it cannot take, ...)
         for node in reversed(created):
@@ -184,19 +179,16 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
     if options.join_projections is False:
         return
     order = {node: i for i, node in enumerate(graph.nodes)}
-    grad_enabled = _grad_enabled(graph)
+    regions, grad_enabled = _regions(graph), _grad_enabled(graph)
     groups: dict = {}
     # Linears join only within one stretch between side effects: a grad-mode switch (`torch.no_grad()` around an
     # indexer, as DeepSeek-V4 has) or an autocast region changes what a linear computes or records for backward.
-    region = 0
     for node in graph.nodes:
-        if node.op == "call_function" and node.is_impure():
-            region += 1
-        elif is_kind(node, "linear"):
+        if is_kind(node, "linear"):
             parts = _linear_parts(node)
             # By default CUDA weights only (module docstring).
             if parts is not None and (options.join_projections or value(parts[1]).device.type == "cuda"):
-                groups.setdefault(_group_key(region, *parts), []).append((node, parts))
+                groups.setdefault(_group_key(regions[node], *parts), []).append((node, parts))
     changed = False
     for group in groups.values():
         members = [node for node, _ in group]
@@ -217,7 +209,7 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
                                   "trained weights get none in eager, joined they would get zeros: not joined")
                 continue
         first = min(members, key=order.__getitem__)
-        if not all(_movable_before(t, first, order) for t in operands):
+        if not all(_movable_before(t, first, order, regions) for t in operands):
             record.miss(site, "a weight or bias is computed after the first projection from other values: not joined")
             continue
         failure = _join(graph, members, [parts for _, parts in group], order)

@@ -26,7 +26,7 @@ from torch import fx
 
 from fastgrpo.kernels import rope as _rope_ops  # noqa: F401  (registers the op)
 from fastgrpo.passes._fx import (
-    erase_unused,
+    call_with_example, erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_widening_or_same, normalized_dim, only_user,
     other_operand, propagate_meta, shape, site_name, strip_widening_casts, value, value_key,
 )
@@ -112,10 +112,8 @@ _MADE_HERE = "fastgrpo_rope_input"  # meta key of the op inputs this pass builds
 
 
 def _new_node(graph: fx.Graph, target, args: tuple) -> fx.Node:
-    """A call to `target` with its example value computed on the fake inputs (the op's checks read it)."""
-    node = graph.call_function(target, args)
-    fake_args = fx.node.map_arg(args, value)
-    node.meta["example_value"] = target(*fake_args)
+    """A call to `target` with its example value (the op's checks read it), marked as built here."""
+    node = call_with_example(graph, target, args)
     node.meta[_MADE_HERE] = True
     return node
 
