@@ -6,12 +6,15 @@ Dynamo hands the backend torch-level graphs in which the same operation shows up
 `kind(node)` instead, and read arguments with `arg(...)`, so a pattern is written once.
 Patterns never key on module names: the point is to work on models nobody wrote a patch for.
 """
+import contextlib
 import operator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor
 
 aten = torch.ops.aten
 
@@ -205,11 +208,20 @@ def call_with_example(graph: fx.Graph, target, args: tuple) -> fx.Node:
     """A call to `target` inserted at the graph's insertion point, with its example value computed on the fake
     inputs (later checks read it). The fakes are detached first: on fakes that require grad autograd would record
     the call, and a checkpoint whose forward is being traced (the first call compiles) would count what that
-    saves as the forward's own saved tensors, its recompute then finding fewer. requires_grad is set back by hand."""
-    node = graph.call_function(target, args)
+    saves as the forward's own saved tensors, its recompute then finding fewer. requires_grad is set back by hand.
+    It runs as Dynamo's own fake propagation does, in the fakes' mode with the Python dispatcher on: a composite op
+    such as `linear` otherwise decomposes in C++ and asks a symbolic size for a concrete numel (torch 2.11 raises
+    "Cannot call numel() on tensor with symbolic sizes" for a 3-D input of dynamic length)."""
     examples = fx.node.map_arg(args, value)
     tracked = any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(examples))
-    example = target(*torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples))
+    detached = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples)
+    with contextlib.ExitStack() as stack:
+        fakes = [t for t in torch.utils._pytree.tree_leaves(detached) if isinstance(t, FakeTensor)]
+        if fakes:
+            stack.enter_context(fakes[0].fake_mode)
+        stack.enter_context(enable_python_dispatcher())
+        example = target(*detached)
+    node = graph.call_function(target, args)  # only once the example exists: a failure leaves the graph as it was
     node.meta["example_value"] = example.requires_grad_() if tracked else example
     return node
 
