@@ -6,6 +6,9 @@ attention calls into SDPA calls that prefer cuDNN's kernel where it runs; the re
 matched, and the rewritten graph goes on to the inner compiler: inductor by default, so
 everything we do not match is compiled as usual.
 """
+import copy
+import warnings
+
 import torch
 from torch import fx
 
@@ -20,6 +23,30 @@ def _kernels_used(example_inputs) -> str:
     if "cuda" in devices:
         return "triton (cuda)"
     return "torch (cpu: no CUDA tensors in this graph)"
+
+
+class PassFailedWarning(UserWarning):
+    """A pattern pass raised on a graph: that graph's rewrites by the pass were undone, and the fusion report lists
+    it as not accelerated with the error."""
+
+
+def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
+    """Runs one pass on one graph; if it raises, the graph is put back as it was before the pass (a copy of the
+    nodes; example values are shared, not copied), the sites it recorded there are dropped and the error is
+    reported and warned about. A bug in one pattern then costs that pattern on that graph, not the user's run."""
+    before, sites = copy.deepcopy(sub.graph), len(record.sites)
+    for node, copied in zip(sub.graph.nodes, before.nodes):  # what Dynamo sets on a node besides its meta (a
+        vars(copied).update(vars(node))                       # placeholder's source), which a copy leaves out
+    try:
+        PASSES[name].apply(sub, record, opts)
+    except Exception as error:
+        sub.graph = before  # the setter recompiles the module's code
+        del record.sites[sites:]
+        reason = f"the pass raised {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        record.miss("(whole graph)", f"{reason}; this graph compiles without this pattern")
+        warnings.warn(f"fastgrpo: pattern {name!r} {reason}. The graph compiles without it (see "
+                      "fastgrpo.fusion_reports()); please report this with the model's name.", PassFailedWarning,
+                      stacklevel=2)
 
 
 def _inner_compiler(options: Options, mode: str | None):
@@ -49,7 +76,7 @@ def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None
     for name in opts.patterns:
         record = report.record(name)
         for sub in all_graph_modules(gm):
-            PASSES[name].apply(sub, record, opts)
+            _apply_pass(name, sub, record, opts)
     compiled = _inner_compiler(opts, mode)(gm, example_inputs)
     # Only a graph that compiled is reported: Dynamo abandons a compile whose inner compiler asks it to restart
     # its analysis (e.g. after specializing a symbolic float such as PEFT's LoRA scaling) and traces again.
