@@ -33,6 +33,7 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_packed_actmul  fastgrpo_packed with the act_mul form (as fastgrpo_actmul): the integration's
             packed form before 2026-11-30's fourth session (503 ms / 5.25 GiB against 480 ms / 4.27 GiB for
             fastgrpo_packed, prompt 256, spread 4096)
+  fastgrpo_packed_nojoin  fastgrpo_packed without the joined-projections pattern
 --spread: completion lengths drawn uniformly between 10 % and 100 % of the given maximum
 (`spread_lengths`, fixed seed: the same batch for every system and for
 bench/peers/unsloth_step.py --spread); padded systems get the batch right-padded to its
@@ -77,14 +78,15 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
     "fastgrpo_packed_actmul": _ACT_MUL,
+    "fastgrpo_packed_nojoin": None,
 }
 # Variants that run every pattern but these (resolved against fastgrpo.passes.PASSES when the system is built, so a
 # pattern added later is not silently left out).
 PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated_mlp",),
-                     "fastgrpo_nojoin": ("joined_projections",)}
+                     "fastgrpo_nojoin": ("joined_projections",), "fastgrpo_packed_nojoin": ("joined_projections",)}
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
-          "fastgrpo_packed_actmul": False}
+          "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:
