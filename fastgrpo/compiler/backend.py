@@ -35,8 +35,12 @@ def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
     nodes; example values are shared, not copied), the sites it recorded there are dropped and the error is
     reported and warned about. A bug in one pattern then costs that pattern on that graph, not the user's run."""
     before, sites = copy.deepcopy(sub.graph), len(record.sites)
-    for node, copied in zip(sub.graph.nodes, before.nodes):  # what Dynamo sets on a node besides its meta (a
-        vars(copied).update(vars(node))                       # placeholder's source), which a copy leaves out
+    for node, copied in zip(sub.graph.nodes, before.nodes):
+        # What Dynamo sets on a node besides its meta (a placeholder's source), which a copy leaves out; a Node's
+        # own fields (in its __dict__ on torches whose Node is plain Python) are the copy's already.
+        for key, attribute in vars(node).items():
+            if key not in vars(copied):
+                setattr(copied, key, attribute)
     try:
         PASSES[name].apply(sub, record, opts)
     except Exception as error:
