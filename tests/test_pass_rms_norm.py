@@ -213,7 +213,7 @@ def test_unknown_option_names_the_valid_ones():
 def test_a_pass_that_raises_leaves_its_graph_as_it_was_reported_and_warned(monkeypatch):
     """A bug in one pattern costs that pattern on that graph, not the user's run: the rewrites it made before it
     raised are undone (a node it inserted, a site it counted), the graph compiles as eager computes it, the report
-    and a warning say why. (The tests otherwise turn that warning into an error, pyproject.toml.)"""
+    and a warning say why. (The tests otherwise turn that warning into an error: tests/conftest.py.)"""
     from fastgrpo.compiler.backend import PassFailedWarning
     from fastgrpo.passes import rms_norm
 
