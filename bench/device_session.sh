@@ -111,15 +111,16 @@ run_step() {
     # laid over them, twice each, alternating. Make them here, e.g. `mkdir -p .baseline/fastgrpo/kernels && git show
     # REV:fastgrpo/kernels/gated_mlp.py > .baseline/fastgrpo/kernels/gated_mlp.py`, and carry .baseline. The copy runs
     # from its own directory with itself first on PYTHONPATH, ahead of the editable install of this tree; its JSON
-    # lines go to $OUT/baseline/.
+    # lines go to $OUT/baseline/. BASELINE_ARGS replaces the step's system argument, e.g. for the packed spread batch
+    # BASELINE_ARGS="--systems fastgrpo_packed --spread".
     baseline)
       [ -d .baseline ] || { echo "baseline: no .baseline/ to lay over the tree"; return; }
       rm -rf /tmp/baseline_tree && mkdir -p /tmp/baseline_tree "$OUT/baseline" && cp -r fastgrpo bench /tmp/baseline_tree/ \
         && cp -r .baseline/. /tmp/baseline_tree/
       for round in 1 2; do
-        step "now_$round" ${STEP_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS
+        step "now_$round" ${STEP_CAP:-120} "$OURS" python3 bench/grpo_step.py ${BASELINE_ARGS:---systems fastgrpo} --completions $COMPLETIONS $STEP_ARGS
         step "baseline_$round" ${STEP_CAP:-120} "PYTHONPATH=/tmp/baseline_tree:/tmp/site_t:/tmp/site OUT=$OUT/baseline" bash -c "cd /tmp/baseline_tree && \
-          exec python3 bench/grpo_step.py --systems fastgrpo --completions $COMPLETIONS $STEP_ARGS"
+          exec python3 bench/grpo_step.py ${BASELINE_ARGS:---systems fastgrpo} --completions $COMPLETIONS $STEP_ARGS"
       done ;;
     *) echo "unknown step $1" ;;
   esac
