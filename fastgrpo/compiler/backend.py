@@ -15,7 +15,7 @@ from torch import fx
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report, publish
 from fastgrpo.passes import PASSES, autocast
-from fastgrpo.passes._fx import all_graph_modules
+from fastgrpo.passes._fx import all_graph_modules, error_summary
 
 
 def _kernels_used(example_inputs) -> str:
@@ -46,7 +46,7 @@ def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
     except Exception as error:
         sub.graph = before  # the setter recompiles the module's code
         del record.sites[sites:]
-        reason = f"the pass raised {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        reason = f"the pass raised {error_summary(error)}"
         record.miss("(whole graph)", f"{reason}; this graph compiles without this pattern")
         warnings.warn(f"fastgrpo: pattern {name!r} {reason}. The graph compiles without it (see "
                       "fastgrpo.fusion_reports()); please report this with the model's name.", PassFailedWarning,

@@ -213,17 +213,20 @@ def call_with_example(graph: fx.Graph, target, args: tuple) -> fx.Node:
     such as `linear` otherwise decomposes in C++ and asks a symbolic size for a concrete numel (torch 2.11 raises
     "Cannot call numel() on tensor with symbolic sizes" for a 3-D input of dynamic length)."""
     examples = fx.node.map_arg(args, value)
-    tracked = any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(examples))
-    detached = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples)
-    with contextlib.ExitStack() as stack:
-        fakes = [t for t in torch.utils._pytree.tree_leaves(detached) if isinstance(t, FakeTensor)]
-        if fakes:
-            stack.enter_context(fakes[0].fake_mode)
-        stack.enter_context(enable_python_dispatcher())
-        example = target(*detached)
+    leaves = torch.utils._pytree.tree_leaves(examples)
+    tracked = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+    fake_mode = next((t.fake_mode for t in leaves if isinstance(t, FakeTensor)), None)
+    with fake_mode or contextlib.nullcontext(), enable_python_dispatcher():
+        example = target(*torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, examples))
     node = graph.call_function(target, args)  # only once the example exists: a failure leaves the graph as it was
     node.meta["example_value"] = example.requires_grad_() if tracked else example
     return node
+
+
+def error_summary(error: Exception, limit: int = 300) -> str:
+    """`Type: first line of the message` (cut at `limit` characters), for a near miss's reason."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit] if lines else ''}"
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastgrpo.passes._fx import arg, is_kind, site_name, value
+from fastgrpo.passes._fx import arg, error_summary, is_kind, site_name, value
 from fastgrpo.passes._record import PatternRecord
 
 NAME = "attention"
@@ -109,7 +109,7 @@ def _why_not_cudnn(inputs: dict) -> str | None:
             choice = torch._fused_sdp_choice(**probe)
     except (RuntimeError, TypeError) as error:  # no kernel at all (SDPA says so itself when the graph runs), or
         # a torch whose private chooser reads other arguments: leave the site to SDPA either way
-        return f"SDPA's kernel choice could not be asked ({type(error).__name__}: {str(error).splitlines()[0]})"
+        return f"SDPA's kernel choice could not be asked ({error_summary(error)})"
     if choice != SDPBackend.CUDNN_ATTENTION.value:
         return f"cuDNN attention does not take these inputs (dtype, head dim, mask or layout): SDPA chose {SDPBackend(choice).name}"
     return None

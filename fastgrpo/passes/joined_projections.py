@@ -27,7 +27,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fastgrpo.passes._fx import arg, call_with_example, is_kind, site_name, target_name, value, value_key
+from fastgrpo.passes._fx import (
+    arg, call_with_example, error_summary, is_kind, site_name, target_name, value, value_key,
+)
 from fastgrpo.passes._record import PatternRecord
 
 NAME = "joined_projections"
@@ -166,7 +168,7 @@ def _join(graph: fx.Graph, members: list[fx.Node], parts: list[tuple], order: di
     except Exception as error:  # the example values of the new nodes (a symbolic size it cannot take, ...)
         for node in reversed(created):
             graph.erase_node(node)
-        return f"the joined nodes could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        return f"the joined nodes could not be built ({error_summary(error)})"
     for member, piece in zip(members, pieces):
         piece.meta["nn_module_stack"] = member.meta.get("nn_module_stack")
         member.replace_all_uses_with(piece)
