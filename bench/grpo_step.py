@@ -24,10 +24,14 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_nomlp  the same without the gated-MLP pattern (inductor keeps the MLP)
   fastgrpo_nojoin  the same without the joined-projections pattern (q, k, v and their LoRA A's in six GEMMs)
   fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
-            (fastgrpo.integrations.packing: positions restart per row, flex_attention BlockMask
-            on CUDA, log-probs only at completion positions); the plan and mask are built inside
-            the timed step. What the TRL integration does with packed batches (its CUDA default)
-  fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG
+            (fastgrpo.integrations.packing: positions restart per row, each row a causal segment of
+            flash's variable-length attention on CUDA, log-probs only at completion positions); the plan
+            and mask are built inside the timed step. What the TRL integration does with packed batches
+            (its CUDA default)
+  fastgrpo_packed_flex  the same with flex_attention and the packed BlockMask (fastgrpo_packed before
+            2026-11-30's ninth session)
+  fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG (flex_attention:
+            a completion sees its prompt, so it is not one causal segment)
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
   fastgrpo_packed_actmul  fastgrpo_packed with the act_mul form (as fastgrpo_actmul): the integration's
@@ -79,6 +83,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
     "fastgrpo_packed_actmul": _ACT_MUL,
     "fastgrpo_packed_nojoin": None,
+    "fastgrpo_packed_flex": None,
 }
 # Variants that run every pattern but these (resolved against fastgrpo.passes.PASSES when the system is built, so a
 # pattern added later is not silently left out).
@@ -86,7 +91,9 @@ PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated
                      "fastgrpo_nojoin": ("joined_projections",), "fastgrpo_packed_nojoin": ("joined_projections",)}
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
-          "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False}
+          "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False, "fastgrpo_packed_flex": False}
+# Packed variants whose attention is forced (default "auto": rows as variable-length segments where layers allow).
+PACKED_ATTENTION = {"fastgrpo_packed_flex": "flex_attention"}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:
@@ -169,7 +176,7 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
         from fastgrpo.integrations.packing import Packer
         from fastgrpo.kernels.selective_logprob import selective_logprob
 
-        packer = Packer(share_prompt=PACKED[system])
+        packer = Packer(share_prompt=PACKED[system], attention=PACKED_ATTENTION.get(system, "auto"))
 
         def step(ids, mask, adv):
             # TRL's rows: [prompt | completion], the completion's padding masked out of attention and labels.

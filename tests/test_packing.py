@@ -5,6 +5,7 @@ On CPU packing runs the model's SDPA/eager attention with a dense mask (flex_att
 flex_attention BlockMask is checked here without gradients and, with gradients, by the `gpu` tests.
 """
 import contextlib
+import re
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import fastgrpo
 from fastgrpo.integrations import packing
 from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, plan_packing
 from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
+from fastgrpo.kernels.packed_attention import packed_attention
 from torch.nn.attention.flex_attention import BlockMask
 from tests.tiny_models import tiny_model, trainer_rule
 
@@ -197,6 +199,44 @@ def test_packed_and_shared_prompt_match_padded(arch):
         assert (run(model, head, None, batch, grad=False)[0] - padded[0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch, takes_segments, note", [
+    ("llama", True, None), ("phi3", True, None),
+    ("gemma2", False, "attention logits are soft-capped"),
+    ("gemma3", False, r"their window \(4\) is shorter than the longest packed row \(16\)"),
+])
+def test_layers_take_variable_length_attention_where_they_can(monkeypatch, arch, takes_segments, note):
+    # Rows packed without sharing carry their bounds: every layer that can runs them as variable-length segments
+    # (fastgrpo.kernels.packed_attention), one that cannot takes the mask and the packer says why, once. Shared
+    # prompts always take the mask (a completion also sees its prompt: not one causal segment).
+    calls = []
+
+    def counting(query, key, value, cu_seqlens, max_len, scale):
+        calls.append((cu_seqlens.tolist(), max_len))
+        return packed_attention(query, key, value, cu_seqlens, max_len, scale)
+
+    monkeypatch.setattr(packing, "packed_attention", counting)
+    model = tiny_model(arch, lora=True, **ARCHS[arch])
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    lengths = [p + c for p, c in ROWS if p + c]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run(model, head, Packer(), batch, grad=False)
+        notes = [str(w.message) for w in said if "variable-length" in str(w.message)]
+        assert len(calls) == (model.config.num_hidden_layers if takes_segments else 0)
+        assert all(call == ([0, *torch.tensor(lengths).cumsum(0).tolist()], max(lengths)) for call in calls)
+        assert (len(notes) == 0) if note is None else (len(notes) == 1 and re.search(note, notes[0]))
+        calls.clear()
+        run(model, head, Packer(share_prompt=True), batch, grad=False)
+        assert not calls
+    if arch == "gemma3":  # a window that spans every row does not matter: segments again
+        model = tiny_model(arch, lora=True, sliding_window=max(lengths))
+        head = head_on(model)
+        with _no_fallback():
+            run(model, head, Packer(), batch, grad=False)
+        assert len(calls) == model.config.num_hidden_layers
+
+
 def test_sliding_window_without_mask_mapping_falls_back(monkeypatch):
     model = tiny_model("gemma2", lora=True, **ARCHS["gemma2"])
     head = head_on(model)
@@ -241,8 +281,8 @@ def test_batches_packing_barely_shortens_run_padded():
 
 def test_compiled_packed_graph_keeps_every_fusion():
     # Through the fastgrpo backend: the packed graph (dense mask, with grads; flex_attention BlockMask, forward
-    # only on CPU) matches the same patterns at the same number of sites as the padded one, with no near misses.
-    # Rows over several 128-token blocks, so the BlockMask has skipped, partial and full blocks. Three compiles:
+    # only on CPU; variable-length segments, with grads) matches the same patterns at the same number of sites as the padded one, with no near misses.
+    # Rows over several 128-token blocks, so the BlockMask has skipped, partial and full blocks. Four compiles:
     # the slowest test here.
     model = tiny_model("qwen3", lora=True)
     head = head_on(model, compiled=True)
@@ -264,10 +304,11 @@ def test_compiled_packed_graph_keeps_every_fusion():
     with _no_fallback():
         packed, packed_found = reports(Packer(share_prompt=True), grad=True)
         flex, flex_found = reports(Packer(share_prompt=True, attention="flex_attention"), grad=False)
-    assert packed_found == padded_found == flex_found
-    assert packed[3]  # gradients flowed through the compiled packed graph (their values: the uncompiled tests)
+        segments, segments_found = reports(Packer(), grad=True)  # variable-length attention, no sharing
+    assert packed_found == padded_found == flex_found == segments_found
+    assert packed[3] and segments[3]  # gradients flowed through the compiled packed graphs (their values: the uncompiled tests)
     assert flex[0].abs().max() > 0
-    for result in (packed, flex):
+    for result in (packed, flex, segments):
         torch.testing.assert_close(result[0], padded[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(result[1], padded[1], rtol=1e-5, atol=1e-5)
 
@@ -336,11 +377,17 @@ def test_packed_attention_never_takes_the_flex_decoding_kernel(monkeypatch):
     assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * layers + [{"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 64}] * layers
 
 
+# What the packer says when layers take the mask rather than variable-length attention: packed all the same.
+ATTENTION_NOTES = "fastgrpo: (packed rows|sliding-window layers) run .*, not variable-length attention"
+
+
 @contextlib.contextmanager
 def _no_fallback():
-    """Fail on any fastgrpo warning (a fallback to the padded path would make a comparison vacuous)."""
+    """Fail on any fastgrpo warning but the attention notes (a fallback to the padded path would make a comparison
+    vacuous)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fastgrpo:")
+        warnings.filterwarnings("ignore", message=ATTENTION_NOTES)
         yield
 
 
@@ -406,6 +453,7 @@ def test_trainer_packing_matches_padded(trainer_case, tmp_path, shared_prompt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
 def test_gpu_flex_packed_and_shared_match_padded(arch):
+    # float32: flash's variable-length kernel takes half precision only, so packed rows take flex_attention here.
     torch.manual_seed(0)
     model = tiny_model(arch, lora=True, **ARCHS[arch]).cuda()
     # As the trainer runs it: non-reentrant checkpointing around each layer, inside the compiled decoder.
@@ -421,6 +469,45 @@ def test_gpu_flex_packed_and_shared_match_padded(arch):
             for packer in (Packer(), Packer(share_prompt=True)):
                 assert_same(padded, run(model, head, packer, batch, completions), rtol=1e-4)
                 assert packer.last_plan is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_gpu_bf16_segments_match_flex_attention(monkeypatch, arch):
+    # Under bf16 autocast, as the trainer runs on CUDA, packed rows run flash's variable-length kernel in every layer.
+    # Against fp32 padded results its log-probs and LoRA gradients are as close as flex_attention's on the same
+    # packed batch (both differ from it by bf16 rounding only; rows attending across segments would be off by O(1)).
+    segment_calls = []
+
+    def counting(*args):
+        segment_calls.append(args[0].dtype)
+        return packed_attention(*args)
+
+    monkeypatch.setattr(packing, "packed_attention", counting)
+    torch.manual_seed(0)
+    model = tiny_model(arch, lora=True, **ARCHS[arch]).cuda()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    head = head_on(model)
+    head.backbone = CompiledBackbone(True, None)
+    batch = tuple(t.cuda() for t in padded_batch(model.config.vocab_size, LONG_ROWS, LONG_SHARED))
+    head.prompt_columns = max(p for p, _ in LONG_ROWS)
+    completions = max(c for _, c in LONG_ROWS)
+    reference = run(model, head, None, batch, completions)
+
+    def error(packer):
+        with torch.autocast("cuda", torch.bfloat16), _no_fallback():
+            lp, _, mask, grads = run(model, head, packer, batch, completions)
+        assert packer.last_plan is not None
+        worst = max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in reference[3].items())
+        return (lp - reference[0])[mask].abs().max().item(), worst
+
+    flex = error(Packer(attention="flex_attention"))
+    assert not segment_calls
+    segments = error(Packer())
+    assert segment_calls and set(segment_calls) == {torch.bfloat16}
+    assert len(segment_calls) % model.config.num_hidden_layers == 0
+    for got, bound in zip(segments, flex):
+        assert got <= 2 * bound + 1e-2, (segments, flex)
 
 
 @pytest.mark.gpu

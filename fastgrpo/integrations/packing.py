@@ -12,6 +12,9 @@ prompt G times. Here the rows become one sequence of length T = sum of real toke
 - `PackPlan.mask_mod` is the attention rule, one function for every mechanism: a query sees a key
   of its own group at or before it, in its own segment or in the group's prompt (and, for
   sliding-window layers, fewer than `window` positions back).
+- Without sharing each row is one causal segment: `PackPlan.cu_seqlens` gives their bounds, and the packed
+  call hands them to every attention layer that can run variable-length attention instead of the mask
+  (fastgrpo.kernels.packed_attention: flash's kernel on CUDA, 1.51x flex_attention on the H200).
 - `attention_masks` turns that rule into what the model's attention takes: a flex_attention
   `BlockMask` (CUDA: built from per-128-token-block id ranges, O((T/128)^2), no [T, T] tensor), or a dense
   [1, 1, T, T] mask for SDPA / eager attention (CPU, where flex_attention has no backward; only
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.kernels.packed_attention import compute_dtype, flash_refusal, packed_attention
+
 # Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,
 # state-space or convolution mixers) carries state along the sequence and would leak across rows.
 ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
@@ -36,7 +41,9 @@ FLEX_BLOCK_SIZE = 128
 # The share of a padded batch's tokens that packing must drop to pay on CUDA. On the H200 (2026-11-30), GRPO step
 # of the Qwen2.5-1.5B shape with 8 completions all 4096 long behind a 256-token prompt (nothing to drop): padded
 # (cuDNN attention) 774-794 ms, packed (flex_attention) 900 ms, 1.13-1.16x; with completions spread over 10-100 %
-# of 4096 (47 % dropped) packed 480 ms against padded 723 ms.
+# of 4096 (47 % dropped) packed 480 ms against padded 723 ms. Both packed numbers with flex_attention; with flash's
+# variable-length kernel the spread batch packed took 416 ms against 517 with flex_attention (same call), and the
+# no-padding case was not re-measured (cuDNN's attention on the padded batch is 1.75x flash's at these shapes).
 PACK_MIN_SAVED = 0.15
 # Above this many packed tokens the dense-mask mechanism (CPU) refuses: a [T, T] mask would be too big.
 DENSE_MASK_MAX_TOKENS = 8192
@@ -58,6 +65,10 @@ class PackPlan:
     cols: torch.Tensor  # [N] its column in the shifted [B, S - 1] layout (label column - 1)
     batch_shape: tuple[int, int]  # (B, S - 1)
     shared_rows: int  # rows whose prompt was packed once for several rows (0 without sharing)
+    # Without sharing every row is one causal segment: their bounds for variable-length attention, int32
+    # [rows + 1] from 0 to T, and the longest row. None with shared prompts (a completion also sees its prompt).
+    cu_seqlens: torch.Tensor | None
+    longest: int
 
     @property
     def length(self) -> int:
@@ -136,6 +147,7 @@ def plan_packing(
     flat_index, positions, groups, segments, prompt_flags = [], [], [], [], []
     packed_of = torch.full((rows, columns), -1, dtype=torch.long)
     cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
+    row_lengths = []  # packed rows one segment each (no sharing)
     sharing = share_prompt and no_sharing is None
     prompt_span = None  # (packed start, length) of the current group's shared prompt
     for row in range(rows):
@@ -164,6 +176,7 @@ def plan_packing(
             _append(flat_index, positions, groups, segments, prompt_flags, row * columns + start,
                     length, 0, group_id, segment_id, False, host)
             packed_of[row, start:stop] = torch.arange(cursor, cursor + length)
+            row_lengths.append(length)
         cursor += length
     if cursor == 0:
         return None, "every row is empty", None
@@ -196,6 +209,8 @@ def plan_packing(
         cols=scored_cols - 1,
         batch_shape=(rows, columns - 1),
         shared_rows=shared_rows,
+        cu_seqlens=None if sharing else torch.tensor([0] + row_lengths).cumsum(0).to(device, torch.int32),
+        longest=max(row_lengths, default=0),
     )
     return plan, None, no_sharing
 
@@ -364,11 +379,40 @@ def block_mask(plan: PackPlan, window: int | None = None):
 
 
 PACKED_ATTENTION_PREFIX = "fastgrpo_packed+"
+# What transformers' decoders hand every attention call for variable-length attention (its FlashAttentionKwargs).
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: bool) -> str | None:
+    """Why no attention layer of this model can take packed rows as variable-length segments (None: every layer
+    whose sliding window, if any, spans the longest row can; the others take the mask)."""
+    text = config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "its attention logits are soft-capped (the variable-length kernels have no softcap)"
+    if training and getattr(text, "attention_dropout", 0.0):
+        return "attention dropout is on"
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if device.type == "cuda":
+        return flash_refusal(device, dtype, head_dim, heads, getattr(text, "num_key_value_heads", None) or heads)
+    return None
+
+
+def _layer_takes_varlen(module, query, key, longest, kwargs) -> bool:
+    """Whether this attention call can run as causal variable-length segments; otherwise it takes the mask.
+    Mirrors varlen_refusal per layer, plus what only the call shows (its window, sinks)."""
+    window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
+    return ((getattr(module, "is_causal", True) if causal is None else causal) and not kwargs.get("dropout")
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+            and (window is None or longest <= window)
+            and (not query.is_cuda or flash_refusal(query.device, compute_dtype(query), query.shape[-1],
+                                                    query.shape[1], key.shape[1]) is None))
 
 
 def use_mask_dispatched_attention(config) -> None:
-    """Make the model's attention choose flex_attention per call when its mask is a packed BlockMask, and
-    the model's own attention (and mask format) otherwise.
+    """Make the model's attention choose per call: variable-length attention over the packed rows when the call
+    carries their bounds (VARLEN_KWARGS) and the layer allows it, flex_attention when its mask is a packed
+    BlockMask, and the model's own attention (and mask format) otherwise.
 
     The choice must follow the call, not a setting around it: non-reentrant checkpointing re-runs each
     layer's forward during backward, after any context around the forward has exited, and that recompute
@@ -387,6 +431,13 @@ def use_mask_dispatched_attention(config) -> None:
         from transformers.integrations.flex_attention import flex_attention_forward
 
         def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+            varlen = {kwarg: kwargs.pop(kwarg, None) for kwarg in VARLEN_KWARGS}
+            bounds, longest = varlen["cu_seq_lens_q"], varlen["max_length_q"]
+            if bounds is not None and _layer_takes_varlen(module, query, key, longest, kwargs):
+                # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
+                out = packed_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds, longest,
+                                       kwargs.get("scaling"))
+                return out.unsqueeze(0), None
             if isinstance(attention_mask, BlockMask):
                 # A packed batch of fewer than 128 tokens would get inductor's flex-decoding kernel (an inference
                 # kernel for short queries), which found no valid config for these masks on an H200.
@@ -413,7 +464,10 @@ class Packer:
     """Decides per forward whether a batch runs packed, and builds the call; says once per reason why not.
 
     `attention`: "auto" (flex_attention on CUDA; on CPU the model's own SDPA/eager attention with a
-    dense mask, up to DENSE_MASK_MAX_TOKENS), "flex_attention", or "dense".
+    dense mask, up to DENSE_MASK_MAX_TOKENS), "flex_attention", or "dense". With "auto", rows packed without
+    sharing also carry their bounds (VARLEN_KWARGS), and every layer that allows it runs them as causal
+    variable-length segments instead of through the mask: flash's kernel on CUDA (1.51x flex_attention's
+    forward + backward on the H200, fastgrpo.kernels.packed_attention), SDPA a row at a time on CPU.
     `min_saved`: a batch whose packing would drop less than this fraction of its padded tokens (padding,
     and repeated prompts when sharing) runs padded: packed attention (flex_attention) is slower per token
     than the padded batch's fused attention, so packing pays only past some padding (PACK_MIN_SAVED).
@@ -467,7 +521,15 @@ class Packer:
             return self.fall_back(implementation[1:])
         dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(
             input_ids.device.type) else model.get_input_embeddings().weight.dtype
-        if implementation == "flex_attention":
+        varlen = plan.cu_seqlens is not None and self.attention == "auto"
+        if varlen and (reason := varlen_refusal(model.config, dtype, input_ids.device, model.training)):
+            self.say_once(f"packed rows run {implementation}, not variable-length attention: {reason}")
+            varlen = False
+        text = model.config.get_text_config()
+        if varlen and "sliding_attention" in layer_kinds(model.config) and _window_matters(text, plan):
+            self.say_once(f"sliding-window layers run {implementation}, not variable-length attention: their window "
+                          f"({text.sliding_window}) is shorter than the longest packed row ({plan.longest})")
+        if implementation == "flex_attention" or varlen:
             use_mask_dispatched_attention(model.config)
         masks = attention_masks(plan, model.config, implementation, dtype)
         for dense in (masks.values() if isinstance(masks, dict) else [masks]):
@@ -476,6 +538,10 @@ class Packer:
                 torch._dynamo.maybe_mark_dynamic(dense, 3)
         self.last_plan = plan
         kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
+        if varlen:  # the mask stays for layers that cannot take segments (a sliding window shorter than a row)
+            torch._dynamo.maybe_mark_dynamic(plan.cu_seqlens, 0)
+            kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens, max_length_q=plan.longest,
+                          max_length_k=plan.longest)
         return PackedCall(plan, kwargs)
 
     def _implementation(self, config, device, plan: PackPlan) -> str:

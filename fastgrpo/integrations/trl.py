@@ -176,8 +176,9 @@ class GRPOConfig(TRLGRPOConfig):
         metadata={
             "help": "Run the log-prob forwards (policy, old policy, reference) on each mini-batch's rows packed into "
             "one sequence without padding: positions restart per row, attention cannot cross rows "
-            "(flex_attention BlockMask on CUDA; a dense mask with the model's SDPA/eager attention on CPU, up to "
-            "8192 tokens). Batches or models it cannot pack (multimodal inputs, non-attention layers, ...) run "
+            "(each row a causal segment of flash's variable-length attention on CUDA where the layer allows it, "
+            "else a flex_attention BlockMask; on CPU SDPA a row at a time, or a dense mask with the model's "
+            "SDPA/eager attention up to 8192 tokens). Batches or models it cannot pack (multimodal inputs, non-attention layers, ...) run "
             "padded, with a one-time warning saying why. 'auto' (default): on for CUDA, off on CPU (a dense mask "
             "gains little there), and on CUDA only for batches that packing shortens by at least 15 % (padding and "
             "shared prompts): below that the padded batch's fused attention is faster. True packs every batch it "

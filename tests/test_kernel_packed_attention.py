@@ -1,0 +1,120 @@
+"""fastgrpo.kernels.packed_attention against a float64 reference: causal attention over a dense block-diagonal mask
+(the torch path on CPU, flash's variable-length kernel on CUDA)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.kernels.packed_attention import flash_refusal, packed_attention
+
+# Relative to the largest reference magnitude; attention confined to the wrong rows is off by O(1).
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def reference(query, key, value, lengths, scale, grad):
+    """float64 attention of the whole packed sequence under a mask that allows a key of the same segment at or
+    before the query; output and d(query, key, value)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (query, key, value))
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    total = segment.numel()
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keys, values = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+    scores = (q.transpose(0, 1) @ keys.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+    out = (torch.softmax(scores, -1) @ values).transpose(0, 1)
+    out.backward(grad.double())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def make_case(lengths, heads, kv_heads, dim, dtype, device, transposed, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def make(h):
+        if transposed:  # [T, h, D] as a view of [h, T, D]: a token's heads are not adjacent
+            return torch.randn(h, total, dim, generator=gen).to(dtype).transpose(0, 1).to(device)
+        return torch.randn(total, h, dim, generator=gen).to(dtype).to(device)
+
+    q, k, v = (make(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(device, torch.int32)
+    return q, k, v, make(heads).detach(), cu
+
+
+def check(lengths, heads, kv_heads, dim, dtype, scale, device="cpu", transposed=False):
+    q, k, v, grad, cu = make_case(lengths, heads, kv_heads, dim, dtype, device, transposed)
+    out = packed_attention(q, k, v, cu, max(lengths), scale)
+    out.backward(grad)
+    got = [out, q.grad, k.grad, v.grad]
+    expected = reference(q.cpu(), k.cpu(), v.cpu(), lengths, scale, grad.cpu())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        error = (a.detach().cpu().double() - b).abs().max().item()
+        assert error <= TOL[dtype] * max(b.abs().max().item(), 1.0), f"{name}: max abs error {error:.3e}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 24), min_size=1, max_size=5),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([8, 12, 16]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    scale=st.sampled_from([None, 0.3]),
+    transposed=st.booleans(),
+)
+def test_torch_path_matches_float64_reference(lengths, kv_heads, group, dim, dtype, scale, transposed):
+    check(lengths, kv_heads * group, kv_heads, dim, dtype, scale, transposed=transposed)
+
+
+def test_compiles_in_one_graph_with_gradients():
+    # The torch path is a custom op with a fake: Dynamo and AOTAutograd trace it without a graph break, forward and
+    # backward (the packed decoder layers compile with it inside).
+    lengths = [5, 1, 9]
+    q, k, v, grad, cu = make_case(lengths, 4, 2, 8, torch.float32, "cpu", transposed=True)
+    eager = packed_attention(q, k, v, cu, 9)
+    eager.backward(grad)
+    expected = [eager.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    compiled = torch.compile(packed_attention, backend="aot_eager", fullgraph=True)(q, k, v, cu, 9)
+    compiled.backward(grad)
+    for a, b in zip([compiled.detach()] + [t.grad for t in (q, k, v)], expected):
+        torch.testing.assert_close(a, b)
+
+
+def test_runs_in_the_autocast_dtype_like_sdpa():
+    # HF's RoPE turns bf16 projections into fp32 q and k (fp32 cos/sin): under autocast attention runs in its dtype.
+    lengths = [3, 8]
+    q, k, v, grad, cu = make_case(lengths, 4, 2, 8, torch.float32, "cpu", transposed=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = packed_attention(q, k, v, cu, 8)
+    assert out.dtype == torch.bfloat16
+    out.backward(grad.bfloat16())
+    expected = reference(q, k, v, lengths, None, grad)
+    for a, b in zip([out, q.grad, k.grad, v.grad], expected):
+        assert (a.detach().double() - b).abs().max() <= TOL[torch.bfloat16] * max(b.abs().max().item(), 1.0)
+    assert q.grad.dtype == torch.float32
+
+
+def test_bad_layout_is_refused_with_the_expected_one():
+    q = torch.randn(1, 4, 6, 8)  # the [B, heads, T, D] of an attention call, not [T, heads, D]
+    with pytest.raises(ValueError, match=r"takes q \[T, heads, D\]"):
+        packed_attention(q, q, q, torch.tensor([0, 6], dtype=torch.int32), 6)
+
+
+def test_flash_refusals_name_the_reason():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flash_refusal(cuda, torch.bfloat16, 128, 12, 2) is None
+    assert "CUDA only" in flash_refusal(cpu, torch.bfloat16, 128, 12, 2)
+    assert "float16 or bfloat16" in flash_refusal(cuda, torch.float32, 128, 12, 2)
+    assert "multiples of 8 up to 256" in flash_refusal(cuda, torch.bfloat16, 260, 12, 2)
+    assert "not a multiple" in flash_refusal(cuda, torch.bfloat16, 64, 12, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 2, 128), (4, 4, 64), (8, 1, 96)])
+def test_cuda_flash_matches_float64_reference(dtype, heads, kv_heads, dim):
+    for lengths, transposed in (([1, 130, 7, 300, 64], True), ([257], False)):
+        check(lengths, heads, kv_heads, dim, dtype, None, device="cuda", transposed=transposed)
