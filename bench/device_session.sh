@@ -65,9 +65,10 @@ run_step() {
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
     tests_failed) step tests_failed 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
-    # SPREAD_PROMPT: the prompt length of the spread rows (default 256; issue 10 also asks for 1024); PACKED_CAP its seconds.
-    packed) step packed ${PACKED_CAP:-220} "$OURS" python3 bench/grpo_step.py --systems ${PACKED_SYSTEMS:-fastgrpo,fastgrpo_packed,fastgrpo_shared} --spread --prompt "${SPREAD_PROMPT:-256}" --completions 4096 $STEP_ARGS ;;
-    unsloth_spread) step unsloth_spread 180 "$PEERS" python3 bench/peers/unsloth_step.py 4096 --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
+    # SPREAD_PROMPT / SPREAD_COMPLETIONS: prompt length and longest completion of the spread rows (default 256 / 4096);
+    # PACKED_CAP: the packed step's seconds.
+    packed) step packed ${PACKED_CAP:-220} "$OURS" python3 bench/grpo_step.py --systems ${PACKED_SYSTEMS:-fastgrpo,fastgrpo_packed,fastgrpo_shared} --spread --prompt "${SPREAD_PROMPT:-256}" --completions ${SPREAD_COMPLETIONS:-4096} $STEP_ARGS ;;
+    unsloth_spread) step unsloth_spread 180 "$PEERS" python3 bench/peers/unsloth_step.py ${SPREAD_COMPLETIONS:-4096} --spread --prompt "${SPREAD_PROMPT:-256}" $STEP_ARGS ;;
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
     offload_save) step offload_save 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_save --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
