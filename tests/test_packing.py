@@ -471,32 +471,34 @@ def test_gpu_flex_packed_and_shared_match_padded(arch):
                 assert packer.last_plan is not None
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-def test_gpu_bf16_segments_match_padded_attention(monkeypatch, arch):
-    # Under bf16 autocast, as the trainer runs on CUDA, packed rows run flash's variable-length kernel in every layer,
-    # in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for SDPA). Against fp32 padded
-    # results its log-probs and LoRA gradients are as close as the padded batch's under the same autocast (bf16
-    # rounding only; rows attending across segments would be off by O(1)).
+@pytest.mark.parametrize("arch, device", [("llama", "cpu")] + [
+    pytest.param(arch, "cuda", marks=pytest.mark.gpu) for arch in ("llama", "qwen3", "phi3")])
+def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
+    # Under bf16 autocast, as the trainer runs on CUDA, packed rows run variable-length attention in every layer
+    # (flash's kernel on CUDA), in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for
+    # SDPA), through the compiled decoder with checkpointing. Against fp32 padded results its log-probs and LoRA
+    # gradients are as close as the padded batch's under the same autocast (bf16 rounding only; rows attending across
+    # segments would be off by O(1)).
     segment_dtypes = []
 
+    @torch._dynamo.disable  # counted outside the graph: a list mutated inside it would be guarded on, call by call
     def counting(*args):
         segment_dtypes.append(compute_dtype(args[0]))
         return packed_attention(*args)
 
     monkeypatch.setattr(packing, "packed_attention", counting)
     torch.manual_seed(0)
-    model = tiny_model(arch, lora=True, **ARCHS[arch]).cuda()
+    model = tiny_model(arch, lora=True, **ARCHS[arch]).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     head = head_on(model)
-    head.backbone = CompiledBackbone(True, None)
-    batch = tuple(t.cuda() for t in padded_batch(model.config.vocab_size, LONG_ROWS, LONG_SHARED))
+    head.backbone = CompiledBackbone(True, None if device == "cuda" else {"inner": "aot_eager"})
+    batch = tuple(t.to(device) for t in padded_batch(model.config.vocab_size, LONG_ROWS, LONG_SHARED))
     head.prompt_columns = max(p for p, _ in LONG_ROWS)
     completions = max(c for _, c in LONG_ROWS)
     reference = run(model, head, None, batch, completions)
 
     def error(packer):
-        with torch.autocast("cuda", torch.bfloat16), _no_fallback():
+        with torch.autocast(device, torch.bfloat16), _no_fallback():
             lp, _, mask, grads = run(model, head, packer, batch, completions)
         worst = max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in reference[3].items())
         return (lp - reference[0])[mask].abs().max().item(), worst
