@@ -5,19 +5,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.kernels.packed_attention import flash_refusal, packed_attention
+from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, flash_refusal, packed_attention
 
 # Relative to the largest reference magnitude; attention confined to the wrong rows is off by O(1).
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-def reference(query, key, value, lengths, scale, grad):
+def reference(query, key, value, lengths, scale, grad, window=None):
     """float64 attention of the whole packed sequence under a mask that allows a key of the same segment at or
-    before the query; output and d(query, key, value)."""
+    before the query (and fewer than `window` positions back); output and d(query, key, value)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (query, key, value))
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     total = segment.numel()
     allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.ones(total, total, dtype=torch.bool).triu(1 - window)
     group = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keys, values = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
@@ -41,12 +43,12 @@ def make_case(lengths, heads, kv_heads, dim, dtype, device, transposed, seed=0):
     return q, k, v, make(heads).detach(), cu
 
 
-def check(lengths, heads, kv_heads, dim, dtype, scale, device="cpu", transposed=False):
+def check(lengths, heads, kv_heads, dim, dtype, scale, device="cpu", transposed=False, window=None):
     q, k, v, grad, cu = make_case(lengths, heads, kv_heads, dim, dtype, device, transposed)
-    out = packed_attention(q, k, v, cu, max(lengths), scale)
+    out = packed_attention(q, k, v, cu, max(lengths), scale, window)
     out.backward(grad)
     got = [out, q.grad, k.grad, v.grad]
-    expected = reference(q.cpu(), k.cpu(), v.cpu(), lengths, scale, grad.cpu())
+    expected = reference(q.cpu(), k.cpu(), v.cpu(), lengths, scale, grad.cpu(), window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert a.dtype == dtype and a.shape == b.shape, name
         error = (a.detach().cpu().double() - b).abs().max().item()
@@ -62,9 +64,10 @@ def check(lengths, heads, kv_heads, dim, dtype, scale, device="cpu", transposed=
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     scale=st.sampled_from([None, 0.3]),
     transposed=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 30)),
 )
-def test_torch_path_matches_float64_reference(lengths, kv_heads, group, dim, dtype, scale, transposed):
-    check(lengths, kv_heads * group, kv_heads, dim, dtype, scale, transposed=transposed)
+def test_torch_path_matches_float64_reference(lengths, kv_heads, group, dim, dtype, scale, transposed, window):
+    check(lengths, kv_heads * group, kv_heads, dim, dtype, scale, transposed=transposed, window=window)
 
 
 def test_compiles_in_one_graph_with_gradients():
@@ -97,10 +100,12 @@ def test_runs_in_the_autocast_dtype_like_sdpa():
     assert q.grad.dtype == torch.float32
 
 
-def test_bad_layout_is_refused_with_the_expected_one():
+def test_bad_layout_or_window_is_refused_with_what_is_expected():
     q = torch.randn(1, 4, 6, 8)  # the [B, heads, T, D] of an attention call, not [T, heads, D]
     with pytest.raises(ValueError, match=r"takes q \[T, heads, D\]"):
         packed_attention(q, q, q, torch.tensor([0, 6], dtype=torch.int32), 6)
+    with pytest.raises(ValueError, match="at least the query itself"):
+        packed_attention(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32), 4, window=0)
 
 
 def test_flash_refusals_name_the_reason():
@@ -110,6 +115,7 @@ def test_flash_refusals_name_the_reason():
     assert "float16 or bfloat16" in flash_refusal(cuda, torch.float32, 128, 12, 2)
     assert "multiples of 8 up to 256" in flash_refusal(cuda, torch.bfloat16, 260, 12, 2)
     assert "not a multiple" in flash_refusal(cuda, torch.bfloat16, 64, 12, 5)
+    assert (flash_refusal(cuda, torch.bfloat16, 128, 12, 2, window=512) is None) == FLASH_TAKES_WINDOW
 
 
 @pytest.mark.gpu
@@ -118,3 +124,5 @@ def test_flash_refusals_name_the_reason():
 def test_cuda_flash_matches_float64_reference(dtype, heads, kv_heads, dim):
     for lengths, transposed in (([1, 130, 7, 300, 64], True), ([257], False)):
         check(lengths, heads, kv_heads, dim, dtype, None, device="cuda", transposed=transposed)
+    for window in (1, 64):  # sliding windows (a Gemma3 layer's): one key, and a window shorter than two of the rows
+        check([1, 130, 7, 300, 64], heads, kv_heads, dim, dtype, None, device="cuda", window=window)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.packed_attention import compute_dtype, flash_refusal, packed_attention
+from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, compute_dtype, flash_refusal, packed_attention
 
 # Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,
 # state-space or convolution mixers) carries state along the sequence and would leak across rows.
@@ -384,8 +384,8 @@ VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: bool) -> str | None:
-    """Why no attention layer of this model can take packed rows as variable-length segments (None: every layer
-    whose sliding window, if any, spans the longest row can; the others take the mask)."""
+    """Why no attention layer of this model can take packed rows as variable-length segments (None: they can, those
+    with a sliding window too where `flash_refusal` allows a window; the others take the mask)."""
     text = config.get_text_config()
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return "its attention logits are soft-capped (the variable-length kernels have no softcap)"
@@ -398,15 +398,20 @@ def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: b
     return None
 
 
+def _window_of_call(longest, kwargs) -> int | None:
+    """The call's sliding window where it cuts into the longest row (None: no window, or one that spans every row)."""
+    window = kwargs.get("sliding_window")
+    return window if window is not None and longest > window else None
+
+
 def _layer_takes_varlen(module, query, key, longest, kwargs) -> bool:
     """Whether this attention call can run as causal variable-length segments; otherwise it takes the mask.
     Mirrors varlen_refusal per layer, plus what only the call shows (its window, sinks)."""
-    window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
+    causal = kwargs.get("is_causal")
     return ((getattr(module, "is_causal", True) if causal is None else causal) and not kwargs.get("dropout")
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-            and (window is None or longest <= window)
-            and (not query.is_cuda or flash_refusal(query.device, compute_dtype(query), query.shape[-1],
-                                                    query.shape[1], key.shape[1]) is None))
+            and (not query.is_cuda or flash_refusal(query.device, compute_dtype(query), query.shape[-1], query.shape[1],
+                                                    key.shape[1], _window_of_call(longest, kwargs)) is None))
 
 
 def use_mask_dispatched_attention(config) -> None:
@@ -436,7 +441,7 @@ def use_mask_dispatched_attention(config) -> None:
             if bounds is not None and _layer_takes_varlen(module, query, key, longest, kwargs):
                 # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
                 out = packed_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds, longest,
-                                       kwargs.get("scaling"))
+                                       kwargs.get("scaling"), _window_of_call(longest, kwargs))
                 return out.unsqueeze(0), None
             if isinstance(attention_mask, BlockMask):
                 # A packed batch of fewer than 128 tokens would get inductor's flex-decoding kernel (an inference
@@ -525,10 +530,10 @@ class Packer:
         if varlen and (reason := varlen_refusal(model.config, dtype, input_ids.device, model.training)):
             self.say_once(f"packed rows run {implementation}, not variable-length attention: {reason}")
             varlen = False
-        text = model.config.get_text_config()
-        if varlen and "sliding_attention" in layer_kinds(model.config) and _window_matters(text, plan):
-            self.say_once(f"sliding-window layers run {implementation}, not variable-length attention: their window "
-                          f"({text.sliding_window}) is shorter than the longest packed row ({plan.longest})")
+        if (varlen and input_ids.is_cuda and not FLASH_TAKES_WINDOW and "sliding_attention" in layer_kinds(model.config)
+                and _window_matters(model.config.get_text_config(), plan)):
+            self.say_once(f"sliding-window layers run {implementation}, not variable-length attention: this torch's "
+                          f"flash kernel ({torch.__version__}) takes no sliding window")
         if implementation == "flex_attention" or varlen:
             use_mask_dispatched_attention(model.config)
         masks = attention_masks(plan, model.config, implementation, dtype)

@@ -11,15 +11,20 @@ tensors it saves.
 
 Layout: q [T, heads, D], k and v [T, kv_heads, D] (heads a multiple of kv_heads: grouped-query attention),
 `cu_seqlens` int32 [segments + 1] from 0 to T, `max_len` the longest segment. Returns [T, heads, D].
+`window`: a sliding window as transformers' (a query sees keys fewer than `window` positions back), or None.
 """
 import torch
 import torch.nn.functional as F
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+# Whether this torch's flash op takes a window (window_size_left; 2.13 does, and 2.11's varlen_attn passes one). Where
+# it does not, windowed layers take the mask.
+FLASH_TAKES_WINDOW = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
-def flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str | None:
+def flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
+                  window: int | None = None) -> str | None:
     """Why flash's variable-length kernel cannot take such inputs (None: it can)."""
     if device.type != "cuda":
         return f"flash attention runs on CUDA only (the tensors are on {device.type})"
@@ -29,6 +34,8 @@ def flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, heads
         return f"flash attention takes head dims that are multiples of 8 up to {FLASH_MAX_HEAD_DIM}, not {head_dim}"
     if heads % kv_heads:
         return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
+    if window is not None and not FLASH_TAKES_WINDOW:
+        return f"this torch's flash kernel ({torch.__version__}) takes no sliding window"
     return None
 
 
@@ -40,7 +47,7 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_len: int, scale: float | None = None) -> torch.Tensor:
+                     max_len: int, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention within each segment of a packed sequence (layout in the module docstring), in
     `compute_dtype(query)`."""
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape or query.shape[0] != key.shape[0]:
@@ -48,16 +55,30 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     dtype = compute_dtype(query)
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    if flash_refusal(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1]) is None:
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a sliding window spans at least the query itself (1)")
+    if flash_refusal(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1], window) is None:
+        # Flash's window counts the keys before the query it may see: transformers' window less one.
+        extent = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return torch.ops.aten._flash_attention_forward(
-            query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale)[0]
-    return _packed_attention_op(query, key, value, cu_seqlens, scale)
+            query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale, **extent)[0]
+    return _packed_attention_op(query, key, value, cu_seqlens, scale, window)
 
 
-def _segment_attention(query, key, value, scale):
+def _hidden_keys(n: int, window: int | None, device) -> torch.Tensor:
+    """[n, n] True where a query may not see a key: later keys, and keys `window` or more positions back."""
+    offset = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]
+    return (offset < 0) | (offset >= window) if window is not None else offset < 0
+
+
+def _segment_attention(query, key, value, scale, window):
     """One segment, [n, heads, D] -> [n, heads, D], through SDPA."""
+    n = query.shape[0]
+    windowed = window is not None and window < n
+    mask = ~_hidden_keys(n, window, query.device) if windowed else None
     out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                         is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+                                         attn_mask=mask, is_causal=not windowed, scale=scale,
+                                         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(0, 1)
 
 
@@ -68,28 +89,27 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 
 @torch.library.custom_op("fastgrpo::packed_attention", mutates_args=())
 def _packed_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                         scale: float | None) -> torch.Tensor:
+                         scale: float | None, window: int | None) -> torch.Tensor:
     out = torch.zeros_like(query)  # covers tokens outside every segment, if a caller leaves any
     for start, stop in _bounds(cu_seqlens):
-        out[start:stop] = _segment_attention(query[start:stop], key[start:stop], value[start:stop], scale)
+        out[start:stop] = _segment_attention(query[start:stop], key[start:stop], value[start:stop], scale, window)
     return out
 
 
 @_packed_attention_op.register_fake
-def _(query, key, value, cu_seqlens, scale):
+def _(query, key, value, cu_seqlens, scale, window):
     return torch.empty_like(query)
 
 
-def _segment_attention_backward(grad, query, key, value, scale):
+def _segment_attention_backward(grad, query, key, value, scale, window):
     """d(query, key, value) of one segment from its recomputed attention, in float32. (Autograd is off inside a
     custom op, so the softmax's backward is written out: dS = P * (dP - rowsum(dO * O)).)"""
     group = query.shape[1] // key.shape[1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     q, g = query.float().transpose(0, 1), grad.float().transpose(0, 1)  # [heads, n, D]
     k, v = (t.float().transpose(0, 1).repeat_interleave(group, 0) for t in (key, value))
-    n = q.shape[1]
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax((q @ k.transpose(1, 2) * scale).masked_fill(future, float("-inf")), dim=-1)
+    hidden = _hidden_keys(q.shape[1], window, q.device)
+    probs = torch.softmax((q @ k.transpose(1, 2) * scale).masked_fill(hidden, float("-inf")), dim=-1)
     out = probs @ v
     d_scores = probs * (g @ v.transpose(1, 2) - (g * out).sum(-1, keepdim=True))
     dq = d_scores @ k * scale
@@ -100,31 +120,31 @@ def _segment_attention_backward(grad, query, key, value, scale):
 
 @torch.library.custom_op("fastgrpo::packed_attention_backward", mutates_args=())
 def _packed_attention_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  cu_seqlens: torch.Tensor, scale: float | None
+                                  cu_seqlens: torch.Tensor, scale: float | None, window: int | None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = [torch.zeros_like(t) for t in (query, key, value)]
     for start, stop in _bounds(cu_seqlens):
         parts = _segment_attention_backward(grad[start:stop], query[start:stop], key[start:stop], value[start:stop],
-                                            scale)
+                                            scale, window)
         for total, part in zip(grads, parts):
             total[start:stop] = part
     return tuple(grads)
 
 
 @_packed_attention_backward_op.register_fake
-def _(grad, query, key, value, cu_seqlens, scale):
+def _(grad, query, key, value, cu_seqlens, scale, window):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, cu_seqlens, scale = inputs
+    query, key, value, cu_seqlens, scale, window = inputs
     ctx.save_for_backward(query, key, value, cu_seqlens)
-    ctx.scale = scale
+    ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, grad):
     query, key, value, cu_seqlens = ctx.saved_tensors
-    return *_packed_attention_backward_op(grad, query, key, value, cu_seqlens, ctx.scale), None, None
+    return *_packed_attention_backward_op(grad, query, key, value, cu_seqlens, ctx.scale, ctx.window), None, None, None
 
 
 _packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
