@@ -276,7 +276,8 @@ def test_batches_packing_barely_shortens_run_padded():
 
 def test_compiled_packed_graph_keeps_every_fusion():
     # Through the fastgrpo backend: the packed graph (dense mask, with grads; flex_attention BlockMask, forward
-    # only on CPU; variable-length segments, with grads) matches the same patterns at the same number of sites as the padded one, with no near misses.
+    # only on CPU; variable-length segments, with grads) matches the same patterns at the same number of sites as
+    # the padded one, with no near misses.
     # Rows over several 128-token blocks, so the BlockMask has skipped, partial and full blocks. Four compiles:
     # the slowest test here.
     model = tiny_model("qwen3", lora=True)
@@ -301,7 +302,7 @@ def test_compiled_packed_graph_keeps_every_fusion():
         flex, flex_found = reports(Packer(share_prompt=True, attention="flex_attention"), grad=False)
         segments, segments_found = reports(Packer(), grad=True)  # variable-length attention, no sharing
     assert packed_found == padded_found == flex_found == segments_found
-    assert packed[3] and segments[3]  # gradients flowed through the compiled packed graphs (their values: the uncompiled tests)
+    assert packed[3] and segments[3]  # gradients flowed through the compiled graphs (values: the uncompiled tests)
     assert flex[0].abs().max() > 0
     for result in (packed, flex, segments):
         torch.testing.assert_close(result[0], padded[0], rtol=1e-5, atol=1e-5)

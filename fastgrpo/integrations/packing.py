@@ -474,8 +474,9 @@ class Packer:
     variable-length segments instead of through the mask: flash's kernel on CUDA (1.51x flex_attention's
     forward + backward on the H200, fastgrpo.kernels.packed_attention), SDPA a row at a time on CPU.
     `min_saved`: a batch whose packing would drop less than this fraction of its padded tokens (padding,
-    and repeated prompts when sharing) runs padded: packed attention (flex_attention) is slower per token
-    than the padded batch's fused attention, so packing pays only past some padding (PACK_MIN_SAVED).
+    and repeated prompts when sharing) runs padded: packed attention (flex_attention, flash's variable-length
+    kernel) is slower per token than the padded batch's cuDNN attention, so packing pays only past some padding
+    (PACK_MIN_SAVED).
     """
 
     def __init__(self, share_prompt: bool = False, attention: str = "auto", min_saved: float = 0.0):
@@ -543,7 +544,7 @@ class Packer:
                 torch._dynamo.maybe_mark_dynamic(dense, 3)
         self.last_plan = plan
         kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
-        if varlen:  # the mask stays for layers that cannot take segments (a sliding window shorter than a row)
+        if varlen:  # the mask stays for layers that cannot take segments (_layer_takes_varlen)
             torch._dynamo.maybe_mark_dynamic(plan.cu_seqlens, 0)
             kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens, max_length_q=plan.longest,
                           max_length_k=plan.longest)
