@@ -335,15 +335,15 @@ def test_attention_follows_the_mask_not_a_setting_around_the_call(own):
     torch.testing.assert_close(first, dense_hidden, rtol=1e-5, atol=1e-5)
 
 
-def test_trainer_packs_by_default_on_cuda_only(tmp_path):
+def test_trainer_packs_by_default(tmp_path):
     import fastgrpo.integrations.trl as F
 
     def on(device: str, **config) -> bool:
         return trainer_rule("_packing_on", tmp_path, device, **config)
 
     assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_packing == "auto"
-    assert on("cuda") and not on("cpu")
-    assert on("cpu", fastgrpo_packing="true") and not on("cuda", fastgrpo_packing=False)
+    assert on("cuda") and on("cpu") and on("cpu", fastgrpo_packing="true")
+    assert not on("cuda", fastgrpo_packing=False) and not on("cpu", fastgrpo_packing=False)
 
 
 def test_packed_attention_never_takes_the_flex_decoding_kernel(monkeypatch):
@@ -407,7 +407,7 @@ def test_trainer_packing_matches_padded(trainer_case, tmp_path, shared_prompt):
     case = trainer_case
     tokenizer = case.tiny_tokenizer(case.PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], case.VOCAB)
     results = []
-    for packing_on in ("auto", True):  # "auto" is off on CPU: the padded baseline
+    for packing_on in (False, True):
         args = F.GRPOConfig(**case.common_args(
             tmp_path, fastgrpo_compile=False, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5, bf16=False,
             num_iterations=2, beta=0.04, loss_type="dapo", fastgrpo_packing=packing_on,

@@ -151,7 +151,10 @@ def check_matches_stock(pair, tokenizer, loss_type, beta, rtol):
     assert grads.keys() == stock_grads.keys() and len(grads) == 2 * 7 * 2
     for name, grad in grads.items():
         assert grad.abs().max() > 0, name
-        torch.testing.assert_close(grad, stock_grads[name], rtol=10 * rtol, atol=rtol * 1e-2, msg=name)
+        # Absolute slack relative to the gradient's scale: packed rows (the default) sum attention in another order
+        # than TRL's padded batch, which moves near-zero elements by ~1e-7 (CPU, fp32).
+        torch.testing.assert_close(grad, stock_grads[name], rtol=10 * rtol, atol=rtol * stock_grads[name].abs().max(),
+                                   msg=name)
 
 
 @pytest.fixture(scope="module")
