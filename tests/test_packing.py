@@ -1,8 +1,10 @@
 """Padding-free forwards (fastgrpo.integrations.packing): packed and shared-prompt log-probs, entropies and LoRA
 gradients equal the padded path's, on tiny models of several architectures (CPU, fp32), and through the trainer.
 
-On CPU packing runs the model's SDPA/eager attention with a dense mask (flex_attention has no CPU backward); the
-flex_attention BlockMask is checked here without gradients and, with gradients, by the `gpu` tests.
+On CPU rows packed without sharing run as variable-length segments (fastgrpo.kernels.packed_attention's torch path),
+and layers that cannot, and shared prompts, take the model's SDPA/eager attention with a dense mask (flex_attention
+has no CPU backward); the flex_attention BlockMask is checked here without gradients and, with gradients, by the `gpu`
+tests, as is flash's variable-length kernel.
 """
 import contextlib
 import re
