@@ -404,14 +404,14 @@ def _window_of_call(longest, kwargs) -> int | None:
     return window if window is not None and longest > window else None
 
 
-def _layer_takes_varlen(module, query, key, longest, kwargs) -> bool:
-    """Whether this attention call can run as causal variable-length segments; otherwise it takes the mask.
-    Mirrors varlen_refusal per layer, plus what only the call shows (its window, sinks)."""
+def _layer_takes_varlen(module, query, key, window, kwargs) -> bool:
+    """Whether this attention call (with `_window_of_call`'s window) can run as causal variable-length segments;
+    otherwise it takes the mask. Mirrors varlen_refusal per layer, plus what only the call shows (its window, sinks)."""
     causal = kwargs.get("is_causal")
     return ((getattr(module, "is_causal", True) if causal is None else causal) and not kwargs.get("dropout")
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and (not query.is_cuda or flash_refusal(query.device, compute_dtype(query), query.shape[-1], query.shape[1],
-                                                    key.shape[1], _window_of_call(longest, kwargs)) is None))
+                                                    key.shape[1], window) is None))
 
 
 def use_mask_dispatched_attention(config) -> None:
@@ -438,10 +438,11 @@ def use_mask_dispatched_attention(config) -> None:
         def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
             varlen = {kwarg: kwargs.pop(kwarg, None) for kwarg in VARLEN_KWARGS}
             bounds, longest = varlen["cu_seq_lens_q"], varlen["max_length_q"]
-            if bounds is not None and _layer_takes_varlen(module, query, key, longest, kwargs):
+            window = None if bounds is None else _window_of_call(longest, kwargs)
+            if bounds is not None and _layer_takes_varlen(module, query, key, window, kwargs):
                 # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
                 out = packed_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds, longest,
-                                       kwargs.get("scaling"), _window_of_call(longest, kwargs))
+                                       kwargs.get("scaling"), window)
                 return out.unsqueeze(0), None
             if isinstance(attention_mask, BlockMask):
                 # A packed batch of fewer than 128 tokens would get inductor's flex-decoding kernel (an inference

@@ -53,10 +53,10 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape or query.shape[0] != key.shape[0]:
         raise ValueError(f"packed_attention takes q [T, heads, D] and k, v [T, kv_heads, D]; got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    dtype = compute_dtype(query)
-    query, key, value = (t.to(dtype) for t in (query, key, value))
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a sliding window spans at least the query itself (1)")
+    dtype = compute_dtype(query)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
     if flash_refusal(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1], window) is None:
         # Flash's window counts the keys before the query it may see: transformers' window less one.
         extent = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
