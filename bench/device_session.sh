@@ -8,7 +8,8 @@
 #   .whl/*.whl       trl 1.16, datasets, dill, multiprocess   (fastgrpo's trainer targets trl 1.16)
 # Usage: DEADLINE_S=560 bash bench/device_session.sh [steps...]   (default: every step, in this order)
 #        a step written a+b+c runs a, b and c side by side (for correctness and memory steps, never timings)
-#        tests_failed re-runs the tests named in $FAILED_TESTS (pytest arguments, e.g. "-m gpu tests/test_offload.py")
+#        tests_failed re-runs the tests named in $FAILED_TESTS (pytest arguments, e.g. "-m gpu tests/test_offload.py"),
+#        for FAILED_CAP seconds (default 240)
 # Test failures are appended to $OUT/test_failures.txt (and $OUT/cuda_failures.txt for tests_on_cuda) as they
 # happen, so a step cut by its cap still leaves them. A typical first call of a session:
 #   DEADLINE_S=570 bash bench/device_session.sh "tests+tests_on_cuda+qlora+long_run" fastgrpo unsloth
@@ -63,7 +64,7 @@ run_step() {
     liger) for c in ${LIGER_COMPLETIONS:-1024 4096 16384}; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
-    tests_failed) step tests_failed 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
+    tests_failed) step tests_failed ${FAILED_CAP:-240} "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
     # SPREAD_PROMPT / SPREAD_COMPLETIONS: prompt length and longest completion of the spread rows (default 256 / 4096);
     # PACKED_CAP: the packed step's seconds.

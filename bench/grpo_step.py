@@ -30,8 +30,10 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
             (its CUDA default)
   fastgrpo_packed_flex  the same with flex_attention and the packed BlockMask (fastgrpo_packed before
             2026-11-30's ninth session)
-  fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG (flex_attention:
-            a completion sees its prompt, so it is not one causal segment)
+  fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG, each completion a
+            variable-length segment whose keys are its prompt's followed by its own (gathered)
+  fastgrpo_shared_flex  the same with flex_attention and the shared-prompt BlockMask (fastgrpo_shared before
+            2026-11-30's tenth session)
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
   fastgrpo_packed_actmul  fastgrpo_packed with the act_mul form (as fastgrpo_actmul): the integration's
@@ -84,6 +86,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_packed_actmul": _ACT_MUL,
     "fastgrpo_packed_nojoin": None,
     "fastgrpo_packed_flex": None,
+    "fastgrpo_shared_flex": None,
 }
 # Variants that run every pattern but these (resolved against fastgrpo.passes.PASSES when the system is built, so a
 # pattern added later is not silently left out).
@@ -91,9 +94,10 @@ PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated
                      "fastgrpo_nojoin": ("joined_projections",), "fastgrpo_packed_nojoin": ("joined_projections",)}
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
-          "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False, "fastgrpo_packed_flex": False}
+          "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False, "fastgrpo_packed_flex": False,
+          "fastgrpo_shared_flex": True}
 # Packed variants whose attention is forced (default "auto": rows as variable-length segments where layers allow).
-PACKED_ATTENTION = {"fastgrpo_packed_flex": "flex_attention"}
+PACKED_ATTENTION = {"fastgrpo_packed_flex": "flex_attention", "fastgrpo_shared_flex": "flex_attention"}
 
 
 def spread_lengths(completion: int, group: int = GROUP, seed: int = 0) -> list[int]:

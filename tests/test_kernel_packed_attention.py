@@ -1,5 +1,6 @@
 """fastgrpo.kernels.packed_attention against a float64 reference: causal attention over a dense block-diagonal mask
-(the torch path on CPU, flash's variable-length kernel on CUDA)."""
+(the torch path on CPU, flash's variable-length kernel on CUDA), and over shared prompts: each completion's key
+segment the prompt's keys followed by its own, gathered, against the mask of the packed sequence."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,15 +12,22 @@ from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, flash_refusal,
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-def reference(query, key, value, lengths, scale, grad, window=None):
-    """float64 attention of the whole packed sequence under a mask that allows a key of the same segment at or
-    before the query (and fewer than `window` positions back); output and d(query, key, value)."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (query, key, value))
+def block_diagonal(lengths, window=None):
+    """[T, T] a key of the same segment at or before the query (and fewer than `window` positions back)."""
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     total = segment.numel()
     allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
     if window is not None:
         allowed &= torch.ones(total, total, dtype=torch.bool).triu(1 - window)
+    return allowed
+
+
+def reference(query, key, value, lengths, scale, grad, window=None, allowed=None):
+    """float64 attention of the whole packed sequence under `allowed` (default: `block_diagonal`); output and
+    d(query, key, value)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (query, key, value))
+    if allowed is None:
+        allowed = block_diagonal(lengths, window)
     group = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keys, values = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
@@ -68,6 +76,61 @@ def check(lengths, heads, kv_heads, dim, dtype, scale, device="cpu", transposed=
 )
 def test_torch_path_matches_float64_reference(lengths, kv_heads, group, dim, dtype, scale, transposed, window):
     check(lengths, kv_heads * group, kv_heads, dim, dtype, scale, transposed=transposed, window=window)
+
+
+def shared_prompt_case(groups, window):
+    """Packed [prompt, c1, ..., cG] per group of (prompt length, completion lengths): the query and key lengths of
+    the segments (the prompt, then each non-empty completion), the gather of their keys (a completion's: its
+    prompt's, then its own) and the packed sequence's mask (a key of the group at or before the query, in the
+    query's segment or the prompt, fewer than `window` positions back)."""
+    query_lengths, key_lengths, gather, group_of, segment_of, position_of, is_prompt = [], [], [], [], [], [], []
+    for g, (prompt, completions) in enumerate(groups):
+        prompt_keys = list(range(len(group_of), len(group_of) + prompt))
+        for i, n in enumerate([prompt, *completions]):
+            own = list(range(len(group_of), len(group_of) + n))
+            group_of += [g] * n
+            segment_of += [i] * n
+            position_of += list(range(prompt, prompt + n)) if i else list(range(n))
+            is_prompt += [i == 0] * n
+            if n:
+                keys = own if i == 0 else prompt_keys + own
+                query_lengths.append(n)
+                key_lengths.append(len(keys))
+                gather += keys
+    q, kv = torch.arange(len(group_of))[:, None], torch.arange(len(group_of))[None, :]
+    group_id, segment, position = (torch.tensor(x) for x in (group_of, segment_of, position_of))
+    allowed = (group_id[q] == group_id[kv]) & (kv <= q) & ((segment[q] == segment[kv]) | torch.tensor(is_prompt)[kv])
+    if window is not None:
+        allowed &= position[q] - position[kv] < window
+    return query_lengths, key_lengths, torch.tensor(gather), allowed
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(0, 10), min_size=1, max_size=4)),
+                    min_size=1, max_size=3),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    window=st.one_of(st.none(), st.integers(1, 16)),
+)
+def test_shared_prompt_segments_match_the_packed_mask(groups, kv_heads, group, dtype, window):
+    check_shared(groups, kv_heads * group, kv_heads, 8, dtype, window)
+
+
+def check_shared(groups, heads, kv_heads, dim, dtype, window, device="cpu"):
+    query_lengths, key_lengths, gather, allowed = shared_prompt_case(groups, window)
+    q, k, v, grad, _ = make_case([allowed.shape[0]], heads, kv_heads, dim, dtype, device, transposed=True)
+    cu_q, cu_k = (torch.tensor([0] + lengths).cumsum(0).to(device, torch.int32) for lengths in (query_lengths, key_lengths))
+    gather = gather.to(device)
+    out = packed_attention(q, k.index_select(0, gather), v.index_select(0, gather), cu_q, max(query_lengths), None,
+                           window, cu_k, max(key_lengths))
+    out.backward(grad)
+    expected = reference(q.cpu(), k.cpu(), v.cpu(), None, None, grad.cpu(), allowed=allowed)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), [out, q.grad, k.grad, v.grad], expected):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        error = (a.detach().cpu().double() - b).abs().max().item()
+        assert error <= TOL[dtype] * max(b.abs().max().item(), 1.0), f"{name}: max abs error {error:.3e}"
 
 
 def test_compiles_in_one_graph_with_gradients():
@@ -126,3 +189,6 @@ def test_cuda_flash_matches_float64_reference(dtype, heads, kv_heads, dim):
         check(lengths, heads, kv_heads, dim, dtype, None, device="cuda", transposed=transposed)
     for window in (1, 64):  # sliding windows (a Gemma3 layer's): one key, and a window shorter than two of the rows
         check([1, 130, 7, 300, 64], heads, kv_heads, dim, dtype, None, device="cuda", window=window)
+    # Shared prompts: completions whose keys start with their prompt's (flash aligns the two at their ends).
+    for window in (None, 1, 100):
+        check_shared([(200, [1, 0, 150, 300]), (5, [70])], heads, kv_heads, dim, dtype, window, device="cuda")

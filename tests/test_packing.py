@@ -1,10 +1,10 @@
 """Padding-free forwards (fastgrpo.integrations.packing): packed and shared-prompt log-probs, entropies and LoRA
 gradients equal the padded path's, on tiny models of several architectures (CPU, fp32), and through the trainer.
 
-On CPU rows packed without sharing run as variable-length segments (fastgrpo.kernels.packed_attention's torch path),
-and layers that cannot, and shared prompts, take the model's SDPA/eager attention with a dense mask (flex_attention
-has no CPU backward); the flex_attention BlockMask is checked here without gradients and, with gradients, by the `gpu`
-tests, as is flash's variable-length kernel.
+On CPU packed rows and shared prompts run as variable-length segments (fastgrpo.kernels.packed_attention's torch
+path; a completion's keys are its prompt's and its own), and layers that cannot take the model's SDPA/eager attention
+with a dense mask (flex_attention has no CPU backward); the flex_attention BlockMask is checked here without gradients
+and, with gradients, by the `gpu` tests, as is flash's variable-length kernel.
 """
 import contextlib
 import re
@@ -127,6 +127,39 @@ def test_plan_layout_positions_and_sources():
     for i in first_tokens.tolist():
         row = shared.rows[i].item()
         assert shared.positions[shared.source[i]] == ROWS[row][0] - 1 and shared.is_prompt[shared.source[i]]
+    assert plan.kv_index is None and plan.cu_seqlens_k is plan.cu_seqlens
+    assert plan.cu_seqlens.tolist() == torch.tensor([0] + [p + c for p, c in ROWS if p + c]).cumsum(0).tolist()
+    # Shared: per group the prompt, then each non-empty completion with the prompt's keys before its own.
+    assert shared.cu_seqlens.diff().tolist() == [ROWS[g[0]][0] if i < 0 else ROWS[g[i]][1]
+                                                 for g in groups for i in range(-1, len(g)) if i < 0 or ROWS[g[i]][1]]
+    assert (shared.longest, shared.longest_k) == (max(max(c for _, c in ROWS), 7), 7 + 9)
+
+
+def segments_as_mask(plan, window=None) -> torch.Tensor:
+    """[T, T] what the variable-length segments let a query see: segment i's queries attend the keys that
+    `kv_index` gathers into key segment i, causally with the two aligned at their ends (flash's rule)."""
+    total = plan.length
+    keys = plan.kv_index if plan.kv_index is not None else torch.arange(total)
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    q_ends, k_ends = plan.cu_seqlens.tolist(), plan.cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(q_ends[:-1], q_ends[1:], k_ends[:-1], k_ends[1:]):
+        n_q, n_k = q1 - q0, k1 - k0
+        for j in range(n_q):
+            for m in range(n_k):
+                offset = j + n_k - n_q - m
+                if offset >= 0 and (window is None or offset < window):
+                    visible[q0 + j, keys[k0 + m]] = True
+    return visible
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_segments_give_the_packing_rule(share, window):
+    # The segments (and the shared prompt's gathered keys) allow exactly what the mask allows, windows included.
+    ids, mask, labels = padded_batch(vocab=50)
+    plan = plan_packing(ids, mask, labels, PROMPT_COLUMNS, share_prompt=share)[0]
+    rule = dense_mask(plan.mask_mod(window), plan.group.numel(), "cpu")[0, 0, : plan.length, : plan.length]
+    assert torch.equal(segments_as_mask(plan, window), rule)
 
 
 def test_plan_refuses_what_it_cannot_pack():
@@ -207,15 +240,15 @@ def test_packed_and_shared_prompt_match_padded(arch):
     ("gemma3", True, None),  # sliding layers, a window (4) shorter than the rows: windowed segments
 ])
 def test_layers_take_variable_length_attention_where_they_can(monkeypatch, arch, takes_segments, note):
-    # Rows packed without sharing carry their bounds: every layer that can runs them as variable-length segments
+    # Packed rows carry their segments: every layer that can runs them as variable-length attention
     # (fastgrpo.kernels.packed_attention; sliding-window layers with their window), one that cannot takes the mask
-    # and the packer says why, once. Shared prompts always take the mask (a completion also sees its prompt: not one
-    # causal segment). The values: test_packed_and_shared_prompt_match_padded.
+    # and the packer says why, once. With shared prompts a completion's keys are its prompt's and its own, gathered.
+    # The values: test_packed_and_shared_prompt_match_padded.
     calls = []
 
-    def counting(query, key, value, cu_seqlens, max_len, scale, window):
-        calls.append((cu_seqlens.tolist(), max_len))
-        return packed_attention(query, key, value, cu_seqlens, max_len, scale, window)
+    def counting(query, key, value, cu_seqlens, max_len, scale, window, cu_seqlens_k, max_len_k):
+        calls.append((cu_seqlens.tolist(), max_len, cu_seqlens_k.tolist(), max_len_k, key.shape[0]))
+        return packed_attention(query, key, value, cu_seqlens, max_len, scale, window, cu_seqlens_k, max_len_k)
 
     monkeypatch.setattr(packing, "packed_attention", counting)
     model = tiny_model(arch, lora=True, **ARCHS[arch])
@@ -227,11 +260,18 @@ def test_layers_take_variable_length_attention_where_they_can(monkeypatch, arch,
         run(model, head, Packer(), batch, grad=False)
         notes = [str(w.message) for w in said if "variable-length" in str(w.message)]
         assert len(calls) == (model.config.num_hidden_layers if takes_segments else 0)
-        assert all(call == ([0, *torch.tensor(lengths).cumsum(0).tolist()], max(lengths)) for call in calls)
+        bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        assert all(call == (bounds, max(lengths), bounds, max(lengths), bounds[-1]) for call in calls)
         assert (len(notes) == 0) if note is None else (len(notes) == 1 and re.search(note, notes[0]))
         calls.clear()
-        run(model, head, Packer(share_prompt=True), batch, grad=False)
-        assert not calls
+        sharing = Packer(share_prompt=True)
+        run(model, head, sharing, batch, grad=False)
+        plan = sharing.last_plan
+        expected = (plan.cu_seqlens.tolist(), plan.longest, plan.cu_seqlens_k.tolist(), plan.longest_k,
+                    plan.kv_index.numel())
+        assert plan.shared_rows == 7 and plan.kv_index.numel() > plan.length
+        assert len(calls) == (model.config.num_hidden_layers if takes_segments else 0)
+        assert all(call == expected for call in calls)
 
 
 def test_sliding_window_without_mask_mapping_falls_back(monkeypatch):
@@ -343,7 +383,8 @@ def test_trainer_packs_by_default(tmp_path):
     def on(device: str, **config) -> bool:
         return trainer_rule("_packing_on", tmp_path, device, **config)
 
-    assert F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).fastgrpo_packing == "auto"
+    config = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert config.fastgrpo_packing == "auto" and config.fastgrpo_shared_prompt
     assert on("cuda") and on("cpu") and on("cpu", fastgrpo_packing="true")
     assert not on("cuda", fastgrpo_packing=False) and not on("cpu", fastgrpo_packing=False)
 
@@ -472,8 +513,8 @@ def test_gpu_flex_packed_and_shared_match_padded(arch):
 @pytest.mark.parametrize("arch, device", [("llama", "cpu")] + [
     pytest.param(arch, "cuda", marks=pytest.mark.gpu) for arch in ("llama", "qwen3", "phi3")])
 def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
-    # Under bf16 autocast, as the trainer runs on CUDA, packed rows run variable-length attention in every layer
-    # (flash's kernel on CUDA), in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for
+    # Under bf16 autocast, as the trainer runs on CUDA, packed rows (and shared prompts) run variable-length attention
+    # in every layer (flash's kernel on CUDA), in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for
     # SDPA), through the compiled decoder with checkpointing. Against fp32 padded results its log-probs and LoRA
     # gradients are as close as the padded batch's under the same autocast (bf16 rounding only; rows attending across
     # segments would be off by O(1)).
@@ -503,13 +544,14 @@ def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
 
     padded = error(None)
     assert not segment_dtypes
-    packer = Packer()
-    segments = error(packer)
-    assert packer.last_plan is not None
-    # Forward and checkpoint recompute of every layer.
-    assert segment_dtypes == [torch.bfloat16] * 2 * model.config.num_hidden_layers
-    for got, bound in zip(segments, padded):
-        assert got <= 2 * bound + 1e-2, (segments, padded)
+    for packer in (Packer(), Packer(share_prompt=True)):
+        segment_dtypes.clear()
+        segments = error(packer)
+        assert packer.last_plan is not None and (packer.last_plan.kv_index is not None) == packer.share_prompt
+        # Forward and checkpoint recompute of every layer.
+        assert segment_dtypes == [torch.bfloat16] * 2 * model.config.num_hidden_layers
+        for got, bound in zip(segments, padded):
+            assert got <= 2 * bound + 1e-2, (packer.share_prompt, segments, padded)
 
 
 @pytest.mark.gpu

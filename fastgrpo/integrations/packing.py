@@ -12,9 +12,11 @@ prompt G times. Here the rows become one sequence of length T = sum of real toke
 - `PackPlan.mask_mod` is the attention rule, one function for every mechanism: a query sees a key
   of its own group at or before it, in its own segment or in the group's prompt (and, for
   sliding-window layers, fewer than `window` positions back).
-- Without sharing each row is one causal segment: `PackPlan.cu_seqlens` gives their bounds, and the packed
-  call hands them to every attention layer that can run variable-length attention instead of the mask
-  (fastgrpo.kernels.packed_attention: flash's kernel on CUDA, 1.51x flex_attention on the H200).
+- The same rule as causal segments for variable-length attention (fastgrpo.kernels.packed_attention: flash's
+  kernel on CUDA, 1.51x flex_attention on the H200): without sharing each row is a segment; with sharing a
+  group's prompt is one, and each completion another whose keys are the prompt's followed by its own (a gathered
+  copy of the keys and values, `PackPlan.kv_index`). The packed call hands the bounds to every attention layer,
+  and each layer that can runs them instead of the mask.
 - `attention_masks` turns that rule into what the model's attention takes: a flex_attention
   `BlockMask` (CUDA: built from per-128-token-block id ranges, O((T/128)^2), no [T, T] tensor), or a dense
   [1, 1, T, T] mask for SDPA / eager attention (CPU, where flex_attention has no backward; only
@@ -65,10 +67,14 @@ class PackPlan:
     cols: torch.Tensor  # [N] its column in the shifted [B, S - 1] layout (label column - 1)
     batch_shape: tuple[int, int]  # (B, S - 1)
     shared_rows: int  # rows whose prompt was packed once for several rows (0 without sharing)
-    # Without sharing every row is one causal segment: their bounds for variable-length attention, int32
-    # [rows + 1] from 0 to T, and the longest row. None with shared prompts (a completion also sees its prompt).
-    cu_seqlens: torch.Tensor | None
-    longest: int
+    # The rule as causal segments for variable-length attention, int32 [segments + 1] from 0: the queries' bounds in
+    # the packed sequence, and the keys' in the copy of it that `kv_index` gathers (a completion after a shared
+    # prompt: the prompt's keys, then its own; without sharing each row's keys are its queries, kv_index None).
+    cu_seqlens: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    kv_index: torch.Tensor | None
+    longest: int  # the longest query segment
+    longest_k: int  # the longest key segment
 
     @property
     def length(self) -> int:
@@ -147,7 +153,7 @@ def plan_packing(
     flat_index, positions, groups, segments, prompt_flags = [], [], [], [], []
     packed_of = torch.full((rows, columns), -1, dtype=torch.long)
     cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
-    row_lengths = []  # packed rows one segment each (no sharing)
+    query_lengths, key_spans = [], []  # per attention segment: its length, and the (start, length) spans of its keys
     sharing = share_prompt and no_sharing is None
     prompt_span = None  # (packed start, length) of the current group's shared prompt
     for row in range(rows):
@@ -161,6 +167,8 @@ def plan_packing(
                 prompt_span = (cursor, prompt_columns - start)
                 _append(flat_index, positions, groups, segments, prompt_flags, row * columns + start,
                         prompt_columns - start, 0, group_id, segment_id, True, host)
+                query_lengths.append(prompt_span[1])
+                key_spans.append([prompt_span])
                 cursor += prompt_columns - start
             packed_start, prompt_len = prompt_span
             packed_of[row, start:prompt_columns] = torch.arange(packed_start, packed_start + prompt_len)
@@ -169,6 +177,9 @@ def plan_packing(
             _append(flat_index, positions, groups, segments, prompt_flags, row * columns + prompt_columns,
                     length, prompt_len, group_id, segment_id, False, host)
             packed_of[row, prompt_columns:stop] = torch.arange(cursor, cursor + length)
+            if length:
+                query_lengths.append(length)
+                key_spans.append([prompt_span, (cursor, length)])
         else:
             group_id += 1
             segment_id += 1
@@ -176,7 +187,8 @@ def plan_packing(
             _append(flat_index, positions, groups, segments, prompt_flags, row * columns + start,
                     length, 0, group_id, segment_id, False, host)
             packed_of[row, start:stop] = torch.arange(cursor, cursor + length)
-            row_lengths.append(length)
+            query_lengths.append(length)
+            key_spans.append([(cursor, length)])
         cursor += length
     if cursor == 0:
         return None, "every row is empty", None
@@ -196,6 +208,8 @@ def plan_packing(
         return torch.cat([values, values.new_full((padded - total,), fill)]).to(device)
 
     scored_rows, scored_cols = scored.nonzero(as_tuple=True)
+    key_lengths = [sum(length for _, length in spans) for spans in key_spans]
+    cu_seqlens = torch.tensor([0] + query_lengths).cumsum(0).to(device, torch.int32)
     plan = PackPlan(
         input_ids=input_ids.reshape(-1)[flat][None],
         position_ids=position[None],
@@ -209,8 +223,12 @@ def plan_packing(
         cols=scored_cols - 1,
         batch_shape=(rows, columns - 1),
         shared_rows=shared_rows,
-        cu_seqlens=None if sharing else torch.tensor([0] + row_lengths).cumsum(0).to(device, torch.int32),
-        longest=max(row_lengths, default=0),
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_k=torch.tensor([0] + key_lengths).cumsum(0).to(device, torch.int32) if sharing else cu_seqlens,
+        kv_index=torch.cat([torch.arange(first, first + length) for spans in key_spans for first, length in spans]
+                           ).to(device) if sharing else None,
+        longest=max(query_lengths),
+        longest_k=max(key_lengths),
     )
     return plan, None, no_sharing
 
@@ -379,8 +397,9 @@ def block_mask(plan: PackPlan, window: int | None = None):
 
 
 PACKED_ATTENTION_PREFIX = "fastgrpo_packed+"
-# What transformers' decoders hand every attention call for variable-length attention (its FlashAttentionKwargs).
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# What the packed call hands every attention call for variable-length attention: transformers' FlashAttentionKwargs,
+# which its decoders pass down, and the gather of the keys' copy (PackPlan.kv_index), which they pass on as well.
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "fastgrpo_kv_index")
 
 
 def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: bool) -> str | None:
@@ -399,7 +418,8 @@ def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: b
 
 
 def _window_of_call(longest, kwargs) -> int | None:
-    """The call's sliding window where it cuts into the longest row (None: no window, or one that spans every row)."""
+    """The call's sliding window where it cuts into the longest key segment (None: no window, or one that spans
+    every segment)."""
     window = kwargs.get("sliding_window")
     return window if window is not None and longest > window else None
 
@@ -437,12 +457,15 @@ def use_mask_dispatched_attention(config) -> None:
 
         def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
             varlen = {kwarg: kwargs.pop(kwarg, None) for kwarg in VARLEN_KWARGS}
-            bounds, longest = varlen["cu_seq_lens_q"], varlen["max_length_q"]
-            window = None if bounds is None else _window_of_call(longest, kwargs)
+            bounds = varlen["cu_seq_lens_q"]
+            window = None if bounds is None else _window_of_call(varlen["max_length_k"], kwargs)
             if bounds is not None and _layer_takes_varlen(module, query, key, window, kwargs):
                 # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
-                out = packed_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds, longest,
-                                       kwargs.get("scaling"), window)
+                q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+                if (gather := varlen["fastgrpo_kv_index"]) is not None:
+                    k, v = k.index_select(0, gather), v.index_select(0, gather)
+                out = packed_attention(q, k, v, bounds, varlen["max_length_q"], kwargs.get("scaling"), window,
+                                       varlen["cu_seq_lens_k"], varlen["max_length_k"])
                 return out.unsqueeze(0), None
             if isinstance(attention_mask, BlockMask):
                 # A packed batch of fewer than 128 tokens would get inductor's flex-decoding kernel (an inference
@@ -470,10 +493,10 @@ class Packer:
     """Decides per forward whether a batch runs packed, and builds the call; says once per reason why not.
 
     `attention`: "auto" (flex_attention on CUDA; on CPU the model's own SDPA/eager attention with a
-    dense mask, up to DENSE_MASK_MAX_TOKENS), "flex_attention", or "dense". With "auto", rows packed without
-    sharing also carry their bounds (VARLEN_KWARGS), and every layer that allows it runs them as causal
-    variable-length segments instead of through the mask: flash's kernel on CUDA (1.51x flex_attention's
-    forward + backward on the H200, fastgrpo.kernels.packed_attention), SDPA a row at a time on CPU.
+    dense mask, up to DENSE_MASK_MAX_TOKENS), "flex_attention", or "dense". With "auto", the packed call also
+    carries the causal segments (VARLEN_KWARGS), and every layer that allows it runs them as variable-length
+    attention instead of through the mask: flash's kernel on CUDA (1.51x flex_attention's forward + backward on
+    the H200, fastgrpo.kernels.packed_attention), SDPA a segment at a time on CPU.
     `min_saved`: a batch whose packing would drop less than this fraction of its padded tokens (padding,
     and repeated prompts when sharing) runs padded: packed attention (flex_attention, flash's variable-length
     kernel) is slower per token than the padded batch's cuDNN attention, so packing pays only past some padding
@@ -528,7 +551,7 @@ class Packer:
             return self.fall_back(implementation[1:])
         dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(
             input_ids.device.type) else model.get_input_embeddings().weight.dtype
-        varlen = plan.cu_seqlens is not None and self.attention == "auto"
+        varlen = self.attention == "auto"
         if varlen and (reason := varlen_refusal(model.config, dtype, input_ids.device, model.training)):
             self.say_once(f"packed rows run {implementation}, not variable-length attention: {reason}")
             varlen = False
@@ -546,9 +569,13 @@ class Packer:
         self.last_plan = plan
         kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
         if varlen:  # the mask stays for layers that cannot take segments (_layer_takes_varlen)
-            torch._dynamo.maybe_mark_dynamic(plan.cu_seqlens, 0)
-            kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens, max_length_q=plan.longest,
-                          max_length_k=plan.longest)
+            for bounds in (plan.cu_seqlens, plan.cu_seqlens_k, plan.kv_index):
+                if bounds is not None:
+                    torch._dynamo.maybe_mark_dynamic(bounds, 0)
+            kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens_k, max_length_q=plan.longest,
+                          max_length_k=plan.longest_k)
+            if plan.kv_index is not None:
+                kwargs["fastgrpo_kv_index"] = plan.kv_index
         return PackedCall(plan, kwargs)
 
     def _implementation(self, config, device, plan: PackPlan) -> str:

@@ -187,11 +187,12 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
     fastgrpo_shared_prompt: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "With fastgrpo_packing: pack each prompt once, followed by its completions, which attend to the "
             "prompt and to themselves only (P + G*C tokens instead of G*(P+C)). Consecutive rows with identical "
-            "prompts share (TRL repeats each prompt num_generations times); works with any generator."
+            "prompts share (TRL repeats each prompt num_generations times); works with any generator. Batches "
+            "whose rows share no prompt are packed row by row (said once)."
         },
     )
 

@@ -12,6 +12,12 @@ tensors it saves.
 Layout: q [T, heads, D], k and v [T, kv_heads, D] (heads a multiple of kv_heads: grouped-query attention),
 `cu_seqlens` int32 [segments + 1] from 0 to T, `max_len` the longest segment. Returns [T, heads, D].
 `window`: a sliding window as transformers' (a query sees keys fewer than `window` positions back), or None.
+
+Segments whose keys are more than their queries: with `cu_seqlens_k` (and `max_len_k`), k and v are [Tk, kv_heads,
+D] and query segment i attends key segment i, aligned at their ends (as flash aligns causal attention when the two
+lengths differ): the j-th of a segment's n_q queries sees its first j + n_k - n_q + 1 keys. A completion packed after
+its group's shared prompt is such a segment: its queries are its own tokens, its keys the prompt's followed by its
+own (gathered by the caller), so one prompt serves every completion of the group.
 """
 import torch
 import torch.nn.functional as F
@@ -47,12 +53,17 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_len: int, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                     max_len: int, scale: float | None = None, window: int | None = None,
+                     cu_seqlens_k: torch.Tensor | None = None, max_len_k: int | None = None) -> torch.Tensor:
     """Causal attention within each segment of a packed sequence (layout in the module docstring), in
     `compute_dtype(query)`."""
-    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape or query.shape[0] != key.shape[0]:
-        raise ValueError(f"packed_attention takes q [T, heads, D] and k, v [T, kv_heads, D]; got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    # The lengths stay untouched on the torch path: Dynamo guards on an int input's value once it is read.
+    same_keys = cu_seqlens_k is None
+    if same_keys:
+        cu_seqlens_k = cu_seqlens
+    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape or (same_keys and query.shape[0] != key.shape[0]):
+        raise ValueError(f"packed_attention takes q [T, heads, D] and k, v [T, kv_heads, D] (or [Tk, kv_heads, D] "
+                         f"with cu_seqlens_k); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a sliding window spans at least the query itself (1)")
     dtype = compute_dtype(query)
@@ -60,44 +71,51 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if flash_refusal(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1], window) is None:
         # Flash's window counts the keys before the query it may see: transformers' window less one.
         extent = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        if not same_keys and max_len_k is None:
+            raise ValueError("packed_attention: cu_seqlens_k needs max_len_k, the longest key segment")
         return torch.ops.aten._flash_attention_forward(
-            query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale, **extent)[0]
-    return _packed_attention_op(query, key, value, cu_seqlens, scale, window)
+            query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len if same_keys else max_len_k, 0.0, True,
+            False, scale=scale, **extent)[0]
+    return _packed_attention_op(query, key, value, cu_seqlens, cu_seqlens_k, scale, window)
 
 
-def _hidden_keys(n: int, window: int | None, device) -> torch.Tensor:
-    """[n, n] True where a query may not see a key: later keys, and keys `window` or more positions back."""
-    offset = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]
+def _hidden_keys(n_q: int, n_k: int, window: int | None, device) -> torch.Tensor:
+    """[n_q, n_k] True where a query may not see a key: keys after it (the two aligned at their ends), and keys
+    `window` or more positions back."""
+    offset = torch.arange(n_k - n_q, n_k, device=device)[:, None] - torch.arange(n_k, device=device)[None, :]
     return (offset < 0) | (offset >= window) if window is not None else offset < 0
 
 
 def _segment_attention(query, key, value, scale, window):
-    """One segment, [n, heads, D] -> [n, heads, D], through SDPA."""
-    n = query.shape[0]
-    windowed = window is not None and window < n
-    mask = ~_hidden_keys(n, window, query.device) if windowed else None
+    """One segment, [n_q, heads, D] with keys [n_k, kv_heads, D] -> [n_q, heads, D], through SDPA."""
+    n_q, n_k = query.shape[0], key.shape[0]
+    # SDPA's is_causal aligns queries and keys at their starts: only right for segments of equal lengths.
+    plain = n_q == n_k and (window is None or window >= n_k)
+    mask = None if plain else ~_hidden_keys(n_q, n_k, window, query.device)
     out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                         attn_mask=mask, is_causal=not windowed, scale=scale,
+                                         attn_mask=mask, is_causal=plain, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(0, 1)
 
 
-def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    ends = cu_seqlens.tolist()  # the torch path's one host read of the layout
-    return [(start, stop) for start, stop in zip(ends[:-1], ends[1:]) if stop > start]
+def _bounds(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of every segment with queries. The torch path's one host read of the layout."""
+    ends, ends_k = cu_seqlens.tolist(), cu_seqlens_k.tolist()
+    return [(slice(start, stop), slice(start_k, stop_k))
+            for start, stop, start_k, stop_k in zip(ends[:-1], ends[1:], ends_k[:-1], ends_k[1:]) if stop > start]
 
 
 @torch.library.custom_op("fastgrpo::packed_attention", mutates_args=())
 def _packed_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                         scale: float | None, window: int | None) -> torch.Tensor:
+                         cu_seqlens_k: torch.Tensor, scale: float | None, window: int | None) -> torch.Tensor:
     out = torch.zeros_like(query)  # covers tokens outside every segment, if a caller leaves any
-    for start, stop in _bounds(cu_seqlens):
-        out[start:stop] = _segment_attention(query[start:stop], key[start:stop], value[start:stop], scale, window)
+    for rows, keys in _bounds(cu_seqlens, cu_seqlens_k):
+        out[rows] = _segment_attention(query[rows], key[keys], value[keys], scale, window)
     return out
 
 
 @_packed_attention_op.register_fake
-def _(query, key, value, cu_seqlens, scale, window):
+def _(query, key, value, cu_seqlens, cu_seqlens_k, scale, window):
     return torch.empty_like(query)
 
 
@@ -108,7 +126,7 @@ def _segment_attention_backward(grad, query, key, value, scale, window):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     q, g = query.float().transpose(0, 1), grad.float().transpose(0, 1)  # [heads, n, D]
     k, v = (t.float().transpose(0, 1).repeat_interleave(group, 0) for t in (key, value))
-    hidden = _hidden_keys(q.shape[1], window, q.device)
+    hidden = _hidden_keys(q.shape[1], k.shape[1], window, q.device)
     probs = torch.softmax((q @ k.transpose(1, 2) * scale).masked_fill(hidden, float("-inf")), dim=-1)
     out = probs @ v
     d_scores = probs * (g @ v.transpose(1, 2) - (g * out).sum(-1, keepdim=True))
@@ -120,31 +138,31 @@ def _segment_attention_backward(grad, query, key, value, scale, window):
 
 @torch.library.custom_op("fastgrpo::packed_attention_backward", mutates_args=())
 def _packed_attention_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  cu_seqlens: torch.Tensor, scale: float | None, window: int | None
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = [torch.zeros_like(t) for t in (query, key, value)]
-    for start, stop in _bounds(cu_seqlens):
-        parts = _segment_attention_backward(grad[start:stop], query[start:stop], key[start:stop], value[start:stop],
-                                            scale, window)
-        for total, part in zip(grads, parts):
-            total[start:stop] = part
-    return tuple(grads)
+                                  cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float | None,
+                                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (torch.zeros_like(t) for t in (query, key, value))
+    for rows, keys in _bounds(cu_seqlens, cu_seqlens_k):
+        parts = _segment_attention_backward(grad[rows], query[rows], key[keys], value[keys], scale, window)
+        for total, part, where in zip((dq, dk, dv), parts, (rows, keys, keys)):
+            total[where] = part
+    return dq, dk, dv
 
 
 @_packed_attention_backward_op.register_fake
-def _(grad, query, key, value, cu_seqlens, scale, window):
+def _(grad, query, key, value, cu_seqlens, cu_seqlens_k, scale, window):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, cu_seqlens, scale, window = inputs
-    ctx.save_for_backward(query, key, value, cu_seqlens)
+    query, key, value, cu_seqlens, cu_seqlens_k, scale, window = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens, cu_seqlens_k)
     ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, grad):
-    query, key, value, cu_seqlens = ctx.saved_tensors
-    return *_packed_attention_backward_op(grad, query, key, value, cu_seqlens, ctx.scale, ctx.window), None, None, None
+    query, key, value, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+    grads = _packed_attention_backward_op(grad, query, key, value, cu_seqlens, cu_seqlens_k, ctx.scale, ctx.window)
+    return *grads, None, None, None, None
 
 
 _packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
