@@ -174,7 +174,7 @@ def test_plan_refuses_what_it_cannot_pack():
     different = ids.clone()
     different[1:, PROMPT_COLUMNS - 1] = torch.arange(1, len(ROWS)) + 40  # every prompt differs
     plan, failure, no_sharing = plan_packing(different, mask, labels, PROMPT_COLUMNS, share_prompt=True)
-    assert failure is None and plan.shared_rows == 0 and no_sharing == "no two consecutive rows have the same prompt"
+    assert failure is None and plan.shared_rows == 0 and no_sharing == "no two rows have the same prompt"
 
 
 def block_flags(counts, indices, blocks):
@@ -232,6 +232,20 @@ def test_packed_and_shared_prompt_match_padded(arch):
     if "sliding_window" in ARCHS[arch]:  # the window cuts into these rows: the case checks the sliding masks
         model.config.sliding_window = 4096
         assert (run(model, head, None, batch, grad=False)[0] - padded[0]).abs().max() > 1e-3
+
+
+def test_rows_share_their_prompt_in_any_order():
+    # TRL shuffles a generation batch's rows before the loss's forward: rows with one prompt are found wherever they
+    # are, and the log-probs and gradients still land on their own rows.
+    model = tiny_model("llama", lora=True)
+    head = head_on(model)
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    ids, mask, labels = (t[order] for t in padded_batch(model.config.vocab_size))
+    sharing = Packer(share_prompt=True)
+    with _no_fallback():
+        assert_same(run(model, head, None, (ids, mask, labels)), run(model, head, sharing, (ids, mask, labels)))
+    in_order = plan_packing(*padded_batch(model.config.vocab_size), PROMPT_COLUMNS, share_prompt=True)[0]
+    assert sharing.last_plan.shared_rows == 7 and sharing.last_plan.length == in_order.length
 
 
 @pytest.mark.parametrize("arch, takes_segments, note", [

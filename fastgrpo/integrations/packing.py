@@ -116,9 +116,10 @@ def plan_packing(
     """Pack rows of [left-padded prompt | right-padded completion]; returns (plan, failure, no_sharing).
 
     `labels` as TRL passes them to the model (shifted inside: the token at column c is scored from
-    the hidden state at column c - 1; -100 = not scored). With `share_prompt`, consecutive rows whose
-    prompts (columns < `prompt_columns`) are identical are packed as one prompt followed by their
-    completions. `failure` says why the batch cannot be packed at all (plan None); `no_sharing` why
+    the hidden state at column c - 1; -100 = not scored). With `share_prompt`, rows whose prompts
+    (columns < `prompt_columns`, padding included) are identical are packed as one prompt followed by their
+    completions, wherever they sit in the batch (TRL shuffles the rows of a generation batch before the loss's
+    forward). `failure` says why the batch cannot be packed at all (plan None); `no_sharing` why
     sharing was asked for but not done (the plan is then plain packing).
     """
     rows, columns = input_ids.shape
@@ -137,31 +138,37 @@ def plan_packing(
         return None, "a row's first real token is labelled (no earlier position to score it from)", None
 
     no_sharing = None
-    same_as_previous = torch.zeros(rows, dtype=torch.bool, device=device)
+    prompt_of = list(range(rows))  # rows with equal numbers here share a prompt
     if share_prompt:
         no_sharing = _sharing_problem(rows, first, last, scored, col, prompt_columns)
         if no_sharing is None:
-            p = prompt_columns
-            differs = ((input_ids[1:, :p] != input_ids[:-1, :p]) & real[1:, :p]).any(1) | (first[1:] != first[:-1])
-            same_as_previous[1:] = ~differs
-            if not bool(same_as_previous.any()):
-                no_sharing = "no two consecutive rows have the same prompt"
+            prompts = input_ids[:, :prompt_columns].masked_fill(~real[:, :prompt_columns], -1)
+            prompt_of = torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+            if len(set(prompt_of)) == rows:
+                no_sharing = "no two rows have the same prompt"
 
     # The layout is built on the host from a few numbers per row (small ops, no kernel launches), then moved.
     host = torch.device("cpu")
-    first_l, last_l, share_l = first.tolist(), last.tolist(), same_as_previous.tolist()
+    first_l, last_l = first.tolist(), last.tolist()
+    # Rows with one prompt are packed one after another, the prompts in the order of their first row.
+    first_row_of = {}
+    for row, prompt in enumerate(prompt_of):
+        first_row_of.setdefault(prompt, row)
+    order = sorted(range(rows), key=lambda row: (first_row_of[prompt_of[row]], row))
     flat_index, positions, groups, segments, prompt_flags = [], [], [], [], []
     packed_of = torch.full((rows, columns), -1, dtype=torch.long)
     cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
     query_lengths, key_spans = [], []  # per attention segment: its length, and the (start, length) spans of its keys
     sharing = share_prompt and no_sharing is None
     prompt_span = None  # (packed start, length) of the current group's shared prompt
-    for row in range(rows):
+    previous = None
+    for row in order:
         start, stop = first_l[row], last_l[row] + 1
         if stop <= start:
             continue
         if sharing:
-            if not share_l[row]:
+            if prompt_of[row] != previous:
+                previous = prompt_of[row]
                 group_id += 1
                 segment_id += 1
                 prompt_span = (cursor, prompt_columns - start)
@@ -192,11 +199,8 @@ def plan_packing(
         cursor += length
     if cursor == 0:
         return None, "every row is empty", None
-    if sharing:
-        # Rows that reuse an earlier row's prompt, plus the rows they reuse it from.
-        starts_run = torch.zeros(rows, dtype=torch.bool, device=device)
-        starts_run[:-1] = same_as_previous[1:] & ~same_as_previous[:-1]
-        shared_rows = int(same_as_previous.sum() + starts_run.sum())
+    if sharing:  # rows whose prompt another row has too
+        shared_rows = sum(prompt_of.count(prompt) > 1 for prompt in prompt_of)
 
     total = cursor
     padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE

@@ -190,9 +190,10 @@ class GRPOConfig(TRLGRPOConfig):
         default=True,
         metadata={
             "help": "With fastgrpo_packing: pack each prompt once, followed by its completions, which attend to the "
-            "prompt and to themselves only (P + G*C tokens instead of G*(P+C)). Consecutive rows with identical "
-            "prompts share (TRL repeats each prompt num_generations times); works with any generator. Batches "
-            "whose rows share no prompt are packed row by row (said once)."
+            "prompt and to themselves only (P + G*C tokens instead of G*(P+C)). Rows with identical prompts share, "
+            "wherever they are in the batch (TRL repeats each prompt num_generations times, and shuffles the rows "
+            "before the loss's forward); works with any generator. Batches whose rows share no prompt are packed row "
+            "by row (said once)."
         },
     )
 
