@@ -13,7 +13,7 @@ Layout: q [T, heads, D], k and v [T, kv_heads, D] (heads a multiple of kv_heads:
 `cu_seqlens` int32 [segments + 1] from 0 to T, `max_len` the longest segment. Returns [T, heads, D].
 `window`: a sliding window as transformers' (a query sees keys fewer than `window` positions back), or None.
 
-Segments whose keys are more than their queries: with `cu_seqlens_k` (and `max_len_k`), k and v are [Tk, kv_heads,
+Segments with more keys than queries: with `cu_seqlens_k` (and `max_len_k`), k and v are [Tk, kv_heads,
 D] and query segment i attends key segment i, aligned at their ends (as flash aligns causal attention when the two
 lengths differ): the j-th of a segment's n_q queries sees its first j + n_k - n_q + 1 keys. A completion packed after
 its group's shared prompt is such a segment: its queries are its own tokens, its keys the prompt's followed by its
