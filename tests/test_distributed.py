@@ -297,8 +297,12 @@ def check_matches_one_process(single: dict, multi: dict, rtol: float) -> None:
         expected, actual = single["grads"][step], multi["grads"][step]
         assert expected.keys() == actual.keys() and len(expected) == 2 * 7 * 2
         for name in expected:
-            assert expected[name].abs().max() > 0, (step, name)
-            torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol / 1000, msg=f"step {step} {name}")
+            scale = expected[name].abs().max()
+            assert scale > 0, (step, name)
+            # Absolute slack relative to the gradient's scale: each process packs the rows it sees, so a prompt is
+            # shared by other sets of rows in 1 and 2 processes and sums in another order (1e-6 of the scale after
+            # step 1, 2e-5 after step 2 on the CPU); a DDP mistake is off by O(1).
+            torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * scale, msg=f"step {step} {name}")
     for name, weight in single["weights"].items():
         torch.testing.assert_close(multi["weights"][name], weight, rtol=rtol, atol=rtol / 100, msg=name)
 

@@ -246,6 +246,13 @@ def test_rows_share_their_prompt_in_any_order():
         assert_same(run(model, head, None, (ids, mask, labels)), run(model, head, sharing, (ids, mask, labels)))
     in_order = plan_packing(*padded_batch(model.config.vocab_size), PROMPT_COLUMNS, share_prompt=True)[0]
     assert sharing.last_plan.shared_rows == 7 and sharing.last_plan.length == in_order.length
+    # No prompt repeats: said once, and every row keeps the shared layout (its prompt, then its completion, as
+    # two segments): the attention call, hence the compiled graph, is the same as for a shared batch.
+    ids[:, PROMPT_COLUMNS - 1] = torch.arange(len(ROWS)) + 3
+    with pytest.warns(UserWarning, match="no two rows have the same prompt"):
+        assert_same(run(model, head, None, (ids, mask, labels)), run(model, head, sharing, (ids, mask, labels)))
+    plan = sharing.last_plan
+    assert plan.shared_rows == 0 and plan.kv_index is not None and plan.length == sum(p + c for p, c in ROWS)
 
 
 @pytest.mark.parametrize("arch, takes_segments, note", [

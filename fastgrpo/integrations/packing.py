@@ -120,7 +120,9 @@ def plan_packing(
     (columns < `prompt_columns`, padding included) are identical are packed as one prompt followed by their
     completions, wherever they sit in the batch (TRL shuffles the rows of a generation batch before the loss's
     forward). `failure` says why the batch cannot be packed at all (plan None); `no_sharing` why
-    sharing was asked for but not done (the plan is then plain packing).
+    sharing was asked for but not done. When only no prompt repeats, each row still gets its prompt and its
+    completion as two segments, the layout of a shared batch (the same attention call, so the same compiled
+    graph); otherwise the plan is plain packing.
     """
     rows, columns = input_ids.shape
     device = input_ids.device
@@ -139,9 +141,11 @@ def plan_packing(
 
     no_sharing = None
     prompt_of = list(range(rows))  # rows with equal numbers here share a prompt
+    sharing = False  # prompts packed as segments of their own, each followed by its rows' completions
     if share_prompt:
         no_sharing = _sharing_problem(rows, first, last, scored, col, prompt_columns)
         if no_sharing is None:
+            sharing = True
             prompts = input_ids[:, :prompt_columns].masked_fill(~real[:, :prompt_columns], -1)
             prompt_of = torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
             if len(set(prompt_of)) == rows:
@@ -159,7 +163,6 @@ def plan_packing(
     packed_of = torch.full((rows, columns), -1, dtype=torch.long)
     cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
     query_lengths, key_spans = [], []  # per attention segment: its length, and the (start, length) spans of its keys
-    sharing = share_prompt and no_sharing is None
     prompt_span = None  # (packed start, length) of the current group's shared prompt
     previous = None
     for row in order:
