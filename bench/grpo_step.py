@@ -26,12 +26,13 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
   fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, each row a causal segment of
             flash's variable-length attention on CUDA, log-probs only at completion positions); the plan
-            and mask are built inside the timed step. What the TRL integration does with packed batches
-            (its CUDA default)
+            and mask are built inside the timed step. What the TRL integration does with
+            fastgrpo_shared_prompt=False
   fastgrpo_packed_flex  the same with flex_attention and the packed BlockMask (fastgrpo_packed before
             2026-11-30's ninth session)
   fastgrpo_shared  the same with the group's prompt packed once: prompt + c1 + ... + cG, each completion a
-            variable-length segment whose keys are its prompt's followed by its own (gathered)
+            variable-length segment whose keys are its prompt's followed by its own (gathered). What the TRL
+            integration does by default (since 2026-11-30's tenth session)
   fastgrpo_shared_flex  the same with flex_attention and the shared-prompt BlockMask (fastgrpo_shared before
             2026-11-30's tenth session)
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
