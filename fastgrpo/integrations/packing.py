@@ -120,9 +120,9 @@ def plan_packing(
     (columns < `prompt_columns`, padding included) are identical are packed as one prompt followed by their
     completions, wherever they sit in the batch (TRL shuffles the rows of a generation batch before the loss's
     forward). `failure` says why the batch cannot be packed at all (plan None); `no_sharing` why
-    sharing was asked for but not done. When only no prompt repeats, each row still gets its prompt and its
-    completion as two segments, the layout of a shared batch (the same attention call, so the same compiled
-    graph); otherwise the plan is plain packing.
+    sharing was asked for but not done. When the only reason is that no prompt repeats, each row still gets
+    its prompt and its completion as two segments, the layout of a shared batch (the same attention call, so
+    the same compiled graph); otherwise the plan is plain packing.
     """
     rows, columns = input_ids.shape
     device = input_ids.device
