@@ -280,6 +280,45 @@ def sweep(rows, hidden_sizes, kinds, stages):
     print("\n".join(best_lines))
 
 
+def sweep_reduce(rows, hidden_sizes):
+    """GPU time of the backward with dW (plain and with the residual's gradient) for each dW reduction
+    configuration (partials per load, columns per program, warps) and number of backward programs per SM
+    (fewer programs, fewer partials to reduce); used to set _dw_reduce_config."""
+    import triton.testing
+
+    saved = fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config
+    best_lines = []
+    try:
+        for H in hidden_sizes:
+            (x, _, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
+            x, w = x.detach(), w.detach()
+            for grad_sum in (None, dsum):
+                def fn():
+                    return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, True)
+
+                kind = "add_bwd+dw" if grad_sum is not None else "bwd+dw"
+                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                default = saved[0](H, True, True, grad_sum is not None)
+                timings = []
+                for per_sm, block_p, block_c, num_warps in itertools.product(
+                        (4, 6, 8), (512, 1024, 2048), (4, 8, 16, 32), (4, 8, 16)):
+                    if not 4 <= block_p * block_c // (32 * num_warps) <= 64:
+                        continue
+                    fastgrpo_rms._bwd_config = lambda *_, c=(*default[:2], per_sm, default[3]): c
+                    fastgrpo_rms._dw_reduce_config = lambda programs, c=(block_p, block_c, num_warps): c
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+                    timings.append((ms, per_sm, block_p, block_c, num_warps))
+                    print(f"H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: {ms * 1e3:.1f}us",
+                          flush=True)
+                fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config = saved
+                ms, per_sm, block_p, block_c, num_warps = min(timings)
+                best_lines.append(f"BEST H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: "
+                                  f"{ms * 1e3:.1f}us; now {now * 1e3:.1f}us")
+    finally:
+        fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config = saved
+    print("\n".join(best_lines))
+
+
 def dry_run():
     """CPU, tiny shapes: the providers that run on CPU agree and the byte counts are right."""
     for mode in ("rms", "add+rms"):
@@ -309,11 +348,15 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[0], metavar="S",
                         help="with --sweep: the backward's pipeline stages tried with dW (0 = register prefetch, "
                              "the default; e.g. --stages 0 2 3 4)")
+    parser.add_argument("--sweep-reduce", action="store_true",
+                        help="time the dW reduction's configurations and the backward's programs per SM")
     args = parser.parse_args()
     if args.dry_run:
         return dry_run()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (use --dry-run on CPU)")
+    if args.sweep_reduce:
+        return sweep_reduce(args.rows, args.hidden)
     if args.sweep is not None:
         return sweep(args.rows, args.hidden, args.sweep or SWEEP_KINDS, args.stages)
 

@@ -5,7 +5,9 @@
 
 q and k are made the way HF makes them: [B, S, H, D] projections transposed to [B, H, S, D]
 (non-contiguous); cos/sin [B, 1, S, D] in bf16. Bytes counted once each: q and k read and
-written, cos and sin read. Liger rotates in place and takes cos/sin before the unsqueeze.
+written, cos and sin read (their first halves only for Liger, which assumes the halves repeat, and
+for `fastgrpo_half`: the op given cos/sin at half width, as the rope pass passes them where the
+graph proves the halves repeat). Liger rotates in place and takes cos/sin before the unsqueeze.
 Writes $OUT/bench_rope.json when OUT is set.
 """
 import argparse
@@ -32,6 +34,16 @@ def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
+
+
+def fastgrpo_half(q, k, cos, sin):
+    """The op reading the first halves of cos and sin (the rope pass's form where they repeat)."""
+    half = cos.shape[-1] // 2
+    return rope(q, k, cos[..., :half], sin[..., :half], cos.shape[-1])
+
+
+# Providers that read only the first halves of cos and sin.
+READS_HALF_COS = ("fastgrpo_half", "liger")
 
 
 def hf_rope(q, k, cos, sin):
@@ -117,11 +129,13 @@ def sweep(device):
     try:
         for name, (n_q, n_kv, head_dim) in SHAPES.items():
             q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
-            moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
             block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_kv)
-            for backward in (False, True):
+            for backward, cos_width in itertools.product((False, True), (head_dim, head_dim // 2)):
                 op = torch.ops.fastgrpo.rope_backward if backward else torch.ops.fastgrpo.rope
-                args = (q, k, cos, sin, head_dim, False) + ((q.dtype, k.dtype) if backward else ())
+                args = ((q, k, cos[..., :cos_width], sin[..., :cos_width], head_dim, False)
+                        + ((q.dtype, k.dtype) if backward else ()))
+                moved = (2 * (q.numel() + k.numel()) * q.element_size()
+                         + 2 * cos.numel() * cos.element_size() * cos_width // head_dim)
                 timings = []
                 for block_s, num_warps in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
                     rope_module._cuda_config = lambda *_, c=(block_hq, block_hk, block_s, num_warps): c
@@ -132,7 +146,8 @@ def sweep(device):
                 timings.sort()
                 best = ", ".join(f"s{bs} w{nw}: {ms * 1e3:.1f}us ({100 * moved / (ms * 1e-3) / COPY_BANDWIDTH:.0f}%)"
                                  for ms, bs, nw in timings[:5])
-                print(f"{name} {'bwd' if backward else 'fwd'}: now {now * 1e3:.1f}us; best: {best}", flush=True)
+                print(f"{name} {'bwd' if backward else 'fwd'} cos width {cos_width}: now {now * 1e3:.1f}us; "
+                      f"best: {best}", flush=True)
     finally:
         rope_module._cuda_config = saved
 
@@ -142,10 +157,10 @@ def dry_run():
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
         q, k, cos, sin = make_inputs(n_q // 2, n_kv, 16, 2, 8, "cpu", torch.float32)
         ref = hf_rope(q, k, cos, sin)
-        out = rope(q, k, cos, sin)
-        err = max((a - b).abs().max().item() for a, b in zip(out, ref))
-        print(f"dry-run {name}: max |fastgrpo - hf| = {err:.2e}")
-        assert err < 1e-5
+        for provider in (rope, fastgrpo_half):
+            err = max((a - b).abs().max().item() for a, b in zip(provider(q, k, cos, sin), ref))
+            print(f"dry-run {name} {provider.__name__}: max |fastgrpo - hf| = {err:.2e}")
+            assert err < 1e-5
 
 
 def main():
@@ -160,7 +175,8 @@ def main():
     if args.sweep:
         return sweep(device)
     torch._dynamo.config.cache_size_limit = 64
-    providers = {"fastgrpo": rope, "eager": hf_rope, "inductor": torch.compile(hf_rope, dynamic=False)}
+    providers = {"fastgrpo": rope, "fastgrpo_half": fastgrpo_half, "eager": hf_rope,
+                 "inductor": torch.compile(hf_rope, dynamic=False)}
     liger = liger_rope_fn()
     if liger is not None:
         providers["liger"] = liger
@@ -170,11 +186,11 @@ def main():
         ref = hf_rope(q.float(), k.float(), cos.float(), sin.float())
         out = rope(q, k, cos, sin)
         err = max((a.float() - b).abs().max().item() for a, b in zip(out, ref))
-        moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
         for mode in ("fwd", "bwd", "full"):
             for provider, fn in providers.items():
                 (ms, lo, hi), peak, gpu_ms = bench(fn, q, k, cos, sin, mode, device)
-                n_bytes = moved * (2 if mode == "full" else 1)
+                cos_bytes = 2 * cos.numel() * cos.element_size() // (2 if provider in READS_HALF_COS else 1)
+                n_bytes = (2 * (q.numel() + k.numel()) * q.element_size() + cos_bytes) * (2 if mode == "full" else 1)
                 rows.append(dict(shape=name, mode=mode, provider=provider, ms=ms, p20=lo, p80=hi,
                                  gbps=n_bytes / ms / 1e6, peak_mib=peak / 2**20, max_err_fwd=err, gpu_ms=gpu_ms,
                                  gpu_gbps=None if gpu_ms is None else n_bytes / gpu_ms / 1e6))

@@ -64,8 +64,11 @@ def check_case(q, k, cos, sin, rotary_dim, interleaved, path, seed=1):
     assert q_out.dtype == out_dtype and k_out.dtype == out_dtype
     assert q_out.shape == q.shape and k_out.shape == k.shape
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    ref_q = ref_rope(q64, cos.double(), sin.double(), rotary_dim, interleaved)
-    ref_k = ref_rope(k64, cos.double(), sin.double(), rotary_dim, interleaved)
+    cos64, sin64 = cos.double(), sin.double()
+    if not interleaved and 2 * cos.shape[-1] == rotary_dim:  # the first half given, standing for both
+        cos64, sin64 = torch.cat((cos64, cos64), -1), torch.cat((sin64, sin64), -1)
+    ref_q = ref_rope(q64, cos64, sin64, rotary_dim, interleaved)
+    ref_k = ref_rope(k64, cos64, sin64, rotary_dim, interleaved)
     assert_close(q_out, ref_q, out_dtype, "q_out")
     assert_close(k_out, ref_k, out_dtype, "k_out")
     # Gradients arrive non-contiguous (here: transposes of [B, S, H, D] buffers).
@@ -96,6 +99,7 @@ case = st.fixed_dictionaries(dict(
     dtype=st.sampled_from(DTYPES),
     cos_in_fp32=st.booleans(),
     interleaved=st.booleans(),
+    cos_half_width=st.booleans(),
 ))
 
 
@@ -103,9 +107,11 @@ def run_case(c, path, device="cpu"):
     even_dims = c["head_dim"] // 2 * 2
     rotary_dim = max(2, int(c["rotary_frac"] * even_dims) // 2 * 2)
     cos_dtype = torch.float32 if c["cos_in_fp32"] else c["dtype"]
-    tensors = make_case(c["batch"], c["seq"], c["n_kv"], c["group"], c["head_dim"], rotary_dim, c["offset"],
-                        1 if c["cos_batch_is_one"] else c["batch"], c["dtype"], cos_dtype, device)
-    check_case(*tensors, rotary_dim, c["interleaved"], path)
+    # Half-rotation cos/sin may come as their first half only (the halves repeating).
+    cos_dim = rotary_dim // 2 if c["cos_half_width"] and not c["interleaved"] else rotary_dim
+    q, k, cos, sin = make_case(c["batch"], c["seq"], c["n_kv"], c["group"], c["head_dim"], cos_dim, c["offset"],
+                               1 if c["cos_batch_is_one"] else c["batch"], c["dtype"], cos_dtype, device)
+    check_case(q, k, cos, sin, rotary_dim, c["interleaved"], path)
 
 
 @settings(max_examples=40, deadline=None)
@@ -215,6 +221,7 @@ def test_rope_opcheck():
     k.requires_grad_()
     torch.library.opcheck(torch.ops.fastgrpo.rope, (q, k, cos, sin, 6, False))
     torch.library.opcheck(torch.ops.fastgrpo.rope, (q, k, cos, sin, 6, True))
+    torch.library.opcheck(torch.ops.fastgrpo.rope, (q, k, cos[..., :3], sin[..., :3], 6, False))
     dq = torch.randn(2, 5, 4, 10).transpose(1, 2)
     dk = torch.randn(2, 10, 2, 5).permute(0, 2, 3, 1)
     torch.library.opcheck(torch.ops.fastgrpo.rope_backward,
@@ -243,8 +250,10 @@ def test_rope_cuda(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_q,n_kv,interleaved", [(12, 2, False), (32, 8, False), (32, 8, True), (64, 8, False)])
-def test_rope_cuda_model_shapes(n_q, n_kv, interleaved):
+@pytest.mark.parametrize("n_q,n_kv,interleaved,cos_dim", [(12, 2, False, 128), (12, 2, False, 64), (32, 8, False, 128),
+                                                          (32, 8, True, 128), (64, 8, False, 128), (64, 8, False, 64)])
+def test_rope_cuda_model_shapes(n_q, n_kv, interleaved, cos_dim):
     # 64 q heads (Llama-70B) take the kernel's loop over head blocks; the others load q and k in one block each.
-    tensors = make_case(2, 333, n_kv, n_q // n_kv, 128, 128, 7, 2, torch.bfloat16, torch.bfloat16, device="cuda")
+    # cos_dim 64: cos/sin given as their first half.
+    tensors = make_case(2, 333, n_kv, n_q // n_kv, 128, cos_dim, 7, 2, torch.bfloat16, torch.bfloat16, device="cuda")
     check_case(*tensors, 128, interleaved, "cuda")

@@ -35,9 +35,59 @@ def test_rope_and_mlp_matched_on_every_layer(arch, lora):
     # Every MLP absorbed its projections, the down projection (and its LoRA) included, on these architectures
     # (Gemma2/3 and OLMo2 feed the MLP's output to a post-norm, whose pass must not take the adapter's add).
     assert all(s["form"].startswith("gated_mlp") and "with down projection" in s["form"] for r in mlp for s in r["sites"])
+    # The whole model is one graph: its rotary embedding's cat((freqs, freqs), -1) is in view.
+    assert all("cos/sin read at half width" in s["form"] for r in rope for s in r["sites"])
     assert not any(r["near_misses"] for r in rope + mlp)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+def _hf_rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+def _reshaped(f):
+    return torch.cat((f, f), -1).reshape(1, 1, -1, 16)[:, 0].to(torch.float64).float()
+
+
+_COS_SIN = {  # how cos/sin are built from angles [1, S, 8] -> whether their halves provably repeat
+    "hf": (lambda f: (torch.cat((f, f), -1).cos() * 1.5, torch.cat((f, f), -1).sin() * 1.5), True),
+    "reshaped": (lambda f: (_reshaped(f).cos(), _reshaped(f).sin()), True),
+    "different halves": (lambda f: (torch.cat((f, 2 * f), -1).cos(), torch.cat((f, 2 * f), -1).sin()), False),
+    "tensor factor": (lambda f: (torch.cat((f, f), -1).cos() * torch.linspace(1, 2, 16),
+                                 torch.cat((f, f), -1).sin()), False),
+    # rows of 16 made of two consecutive positions of the cat: the last dim changes in the reshape
+    "cat on positions": (lambda f: (torch.cat((f, f), 1).reshape(1, -1, 16).cos(),
+                                    torch.cat((f, f), 1).reshape(1, -1, 16).sin()), False),
+}
+
+
+@pytest.mark.parametrize("built", list(_COS_SIN))
+def test_cos_sin_go_at_half_width_only_when_their_halves_provably_repeat(built):
+    make, repeats = _COS_SIN[built]
+
+    def attention_inputs(q, k, angles):
+        cos, sin = make(angles)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _hf_rotate_half(q) * sin, k * cos + _hf_rotate_half(k) * sin
+
+    q = torch.randn(1, 4, 6, 16, requires_grad=True)
+    k = torch.randn(1, 2, 6, 16, requires_grad=True)
+    angles = torch.randn(1, 6, 8)
+    expected = attention_inputs(q, k, angles)
+    sum(t.square().sum() for t in expected).backward()
+    expected_grads = q.grad.clone(), k.grad.clone()
+    q.grad = k.grad = None
+    fastgrpo.clear_fusion_reports()
+    torch._dynamo.reset()
+    actual = torch.compile(attention_inputs, backend="fastgrpo", options={"inner": "eager"})(q, k, angles)
+    sum(t.square().sum() for t in actual).backward()
+    (site,) = _records("rope")[0]["sites"]
+    assert ("cos/sin read at half width" in site["form"]) == repeats, site["form"]
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.grad, expected_grads[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad, expected_grads[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])

@@ -316,12 +316,15 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
 
 def _dw_reduce_config(programs: int) -> tuple[int, int, int]:
     """(partials per load, columns per program, num_warps) of the dW reduction: one pass over the
-    partials per column block (a loop of loads would serialise on latency)."""
-    block_p = min(1024, _dispatch.next_power_of_2(programs))
+    partials per column block (a loop of loads would serialise on latency), so up to 2048 partials a
+    load: the H200's 8 programs per SM x 132 SMs are 1056, one more than a 1024 block."""
+    block_p = min(2048, _dispatch.next_power_of_2(programs))
     # 8 columns a program: at H = 576, 72 programs read the 1056 partials (8 per SM x 132) instead of 36;
     # H200, 2026-11-30: backward with dW 33.4 against 34.6 us (16 columns, 512 partials a load); H = 1536
-    # unchanged (78.7-79.0 us over the configurations tried).
-    return block_p, 8, max(1, min(8, block_p // 64))
+    # unchanged (78.7-79.0 us over the configurations tried). One pass over 2048 (16 warps) against two over
+    # 1024 (8 warps), 2026-12-01 (bench_rms_norm.py --sweep-reduce): 33.1 against 33.9 us, with the residual's
+    # gradient 41.5 against 42.1; the best of the 79 configurations swept was within 0.2 us of it.
+    return block_p, 8, max(1, min(16, block_p // 64))
 
 
 def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:

@@ -8,7 +8,9 @@ q[..., :rotary_dim] and k[..., :rotary_dim] (e.g. [B, 1, S, rd] or [1, 1, S, rd]
 >= rotary_dim pass through unchanged (partial rotary: Phi, GLM).
 
 Layouts, with cos/sin used at every channel exactly as given (no assumption that the two
-halves repeat):
+halves repeat; cos/sin of width rotary_dim / 2 in the half-rotation layout say that they do:
+both halves of the channels use them, as with HF's `cat((freqs, freqs), -1)`, and the kernel
+reads half the bytes of cos and sin):
   half-rotation (HF `rotate_half`):  out = x * cos + cat(-x2, x1) * sin  over the first rd channels
   interleaved (GPT-J, pairs 2i, 2i+1): out[2i]   = x[2i] * cos[2i]     - x[2i+1] * sin[2i]
                                       out[2i+1] = x[2i+1] * cos[2i+1] + x[2i] * sin[2i+1]
@@ -31,12 +33,13 @@ def _rope_rotate(
     x_sb, x_sh, x_ss, x_sd,
     c_sb, c_sh, c_ss, c_sd,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, COS_HALF: tl.constexpr,
 ):
     """Loads heads h0 .. h0 + BLOCK_H of x at positions offs_s of batch row b, with their cos/sin, and
     returns the two rotated halves in fp32 as [BLOCK_H, BLOCK_S, BLOCK_HALF] tiles. Half-rotation pairs
     channel j with j + half (two contiguous loads); interleaved pairs 2j with 2j + 1 (one contiguous
-    load split into even/odd lanes, so memory access stays coalesced)."""
+    load split into even/odd lanes, so memory access stays coalesced). COS_HALF: cos/sin hold only
+    the first half of the channels, the second being the same (HF's `cat((freqs, freqs), -1)`)."""
     s = offs_s[None, :, None]
     h = h0 + tl.arange(0, BLOCK_H)[:, None, None]
     if INTERLEAVED:
@@ -59,9 +62,12 @@ def _rope_rotate(
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, x.shape[1], BLOCK_HALF, 2)))
     else:
         c1 = tl.load(cos_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs + half * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + half * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
+        if COS_HALF:
+            c2, s2 = c1, s1
+        else:
+            c2 = tl.load(cos_ptr + cs + half * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + cs + half * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
         x1 = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(xs + half * x_sd, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -114,13 +120,13 @@ def _rope_heads(
     o_sb, o_sh, o_ss, o_sd,
     c_sb, c_sh, c_ss, c_sd,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, COS_HALF: tl.constexpr,
 ):
     """Rotates every head of x, BLOCK_H heads at a time."""
     for h0 in range(0, n_heads, BLOCK_H):
         y1, y2 = _rope_rotate(x_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, h0, n_heads, half,
                               x_sb, x_sh, x_ss, x_sd, c_sb, c_sh, c_ss, c_sd,
-                              BLOCK_H, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD)
+                              BLOCK_H, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
         _rope_store(o_ptr, y1, y2, b, offs_s, seq_len, h0, n_heads, half, o_sb, o_sh, o_ss, o_sd,
                     BLOCK_H, BLOCK_HALF, INTERLEAVED)
 
@@ -137,7 +143,7 @@ def _rope_kernel(
     ck_sb, ck_sh, ck_ss, ck_sd,
     BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, COS_HALF: tl.constexpr,
     HAS_K: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # Each program owns BLOCK_S positions of one batch row and rotates every q and k head there,
@@ -153,10 +159,10 @@ def _rope_kernel(
         # round trip per program: 83 % of copy bandwidth against Liger's 93 % (bench_rope.py, H200).
         yq1, yq2 = _rope_rotate(q_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, 0, n_heads_q, half,
                                 q_sb, q_sh, q_ss, q_sd, cq_sb, cq_sh, cq_ss, cq_sd,
-                                BLOCK_HQ, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD)
+                                BLOCK_HQ, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
         yk1, yk2 = _rope_rotate(k_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, 0, n_heads_k, half,
                                 k_sb, k_sh, k_ss, k_sd, ck_sb, ck_sh, ck_ss, ck_sd,
-                                BLOCK_HK, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD)
+                                BLOCK_HK, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
         _rope_store(qo_ptr, yq1, yq2, b, offs_s, seq_len, 0, n_heads_q, half, qo_sb, qo_sh, qo_ss, qo_sd,
                     BLOCK_HQ, BLOCK_HALF, INTERLEAVED)
         _rope_store(ko_ptr, yk1, yk2, b, offs_s, seq_len, 0, n_heads_k, half, ko_sb, ko_sh, ko_ss, ko_sd,
@@ -164,11 +170,11 @@ def _rope_kernel(
     else:
         _rope_heads(q_ptr, qo_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, n_heads_q, half,
                     q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd, cq_sb, cq_sh, cq_ss, cq_sd,
-                    BLOCK_HQ, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD)
+                    BLOCK_HQ, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
         if HAS_K:
             _rope_heads(k_ptr, ko_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, n_heads_k, half,
                         k_sb, k_sh, k_ss, k_sd, ko_sb, ko_sh, ko_ss, ko_sd, ck_sb, ck_sh, ck_ss, ck_sd,
-                        BLOCK_HK, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD)
+                        BLOCK_HK, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
     if BLOCK_PASS > 0:
         _rope_pass_through(q_ptr, qo_ptr, b, offs_s, seq_len, n_heads_q, 2 * half, n_pass,
                            q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd, BLOCK_HQ, BLOCK_PASS)
@@ -186,6 +192,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _cos_half(cos, rotary_dim: int, interleaved: bool) -> bool:
+    """Whether cos/sin give only the first half of the rotated channels (the second repeats it)."""
+    return not interleaved and 2 * cos.shape[-1] == rotary_dim
+
+
 def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
     """Rotate each (input, output) pair; q and k go through one launch when they share batch and
     position sizes (always, for HF attention)."""
@@ -194,9 +205,10 @@ def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
         return
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         cos, sin = (t.contiguous() for t in torch.broadcast_tensors(cos, sin))
+    cos_half = _cos_half(cos, rotary_dim, interleaved)
     views = []
     for x, out in x_pairs:
-        rot_shape = x.shape[:-1] + (rotary_dim,)
+        rot_shape = x.shape[:-1] + (rotary_dim // 2 if cos_half else rotary_dim,)
         cx, sx = _as_4d(cos.expand(rot_shape)), _as_4d(sin.expand(rot_shape))
         if cx.stride() != sx.stride():  # only when merging >4 leading dims copied one of them
             cx, sx = cx.contiguous(), sx.contiguous()
@@ -206,9 +218,9 @@ def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
         if (k4.shape[0], k4.shape[2]) != (q4.shape[0], q4.shape[2]) or (ck4.data_ptr(), sk4.data_ptr()) != (
                 cq4.data_ptr(), sq4.data_ptr()):
             for view in views:
-                _launch_views([view], rotary_dim, interleaved, backward)
+                _launch_views([view], rotary_dim, interleaved, backward, cos_half)
             return
-    _launch_views(views, rotary_dim, interleaved, backward)
+    _launch_views(views, rotary_dim, interleaved, backward, cos_half)
 
 
 def _cuda_config(n_heads_q: int, n_heads_k: int, seq_len: int, block_half: int) -> tuple[int, int, int, int]:
@@ -224,7 +236,7 @@ def _cuda_config(n_heads_q: int, n_heads_k: int, seq_len: int, block_half: int) 
     return block_hq, block_hk, block_s, min(8, _dispatch.next_power_of_2(_dispatch.cdiv(elements, 2560)))
 
 
-def _launch_views(views, rotary_dim, interleaved, backward):
+def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
     q4, qo4, cq4, sq4 = views[0]
     k4, ko4, ck4, _ = views[-1]
     has_k = len(views) == 2
@@ -251,7 +263,7 @@ def _launch_views(views, rotary_dim, interleaved, backward):
         BLOCK_S=block_s, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         COS_PER_HEAD=cq4.stride(1) != 0 or (has_k and ck4.stride(1) != 0),
-        INTERLEAVED=interleaved, BACKWARD=backward, HAS_K=has_k,
+        INTERLEAVED=interleaved, BACKWARD=backward, COS_HALF=cos_half, HAS_K=has_k,
         ONE_BLOCK=has_k and n_heads_q <= block_hq and n_heads_k <= block_hk, num_warps=num_warps,
     )
 
@@ -260,6 +272,8 @@ def _rope_torch(x, cos, sin, rotary_dim, interleaved, backward, out_dtype):
     """fp32 torch version of the kernel (CPU path), same layouts and same transposed backward."""
     rot = x[..., :rotary_dim].float()
     cos, sin = cos.float(), sin.float()
+    if _cos_half(cos, rotary_dim, interleaved):
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     if interleaved:
         x1, x2, c1, c2, s1, s2 = rot[..., 0::2], rot[..., 1::2], cos[..., 0::2], cos[..., 1::2], sin[..., 0::2], sin[..., 1::2]
     else:
@@ -279,7 +293,7 @@ def _rope_torch(x, cos, sin, rotary_dim, interleaved, backward, out_dtype):
     return out
 
 
-def _check(q, k, cos, sin, rotary_dim):
+def _check(q, k, cos, sin, rotary_dim, interleaved):
     for t in (q, k, cos, sin):
         _dispatch.check_dtype("rope", t)
     if not (q.device == k.device == cos.device == sin.device):
@@ -291,11 +305,11 @@ def _check(q, k, cos, sin, rotary_dim):
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"fastgrpo::rope: rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
     for x in (q, k):
-        target = (*x.shape[:-1], rotary_dim)
+        target = (*x.shape[:-1], rotary_dim // 2 if _cos_half(cos, rotary_dim, interleaved) else rotary_dim)
         for name, t in (("cos", cos), ("sin", sin)):
             if len(t.shape) > len(target) or any(a != 1 and a != b for a, b in zip(reversed(t.shape), reversed(target))):
                 raise ValueError(f"fastgrpo::rope: {name} of shape {tuple(t.shape)} does not broadcast to "
-                                 f"{tuple(target)} (x[..., :rotary_dim])")
+                                 f"{tuple(target)} (x[..., :rotary_dim], or its first half: see the module's doc)")
 
 
 def _empty_out(x, dtype):
@@ -313,7 +327,7 @@ def _out_dtype(x, cos, sin):
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, cos, sin, rotary_dim)
+    _check(q, k, cos, sin, rotary_dim, interleaved)
     q_dtype, k_dtype = _out_dtype(q, cos, sin), _out_dtype(k, cos, sin)
     if not _dispatch.use_triton(q):
         return (
@@ -327,7 +341,7 @@ def _rope_op(
 
 @_rope_op.register_fake
 def _(q, k, cos, sin, rotary_dim, interleaved):
-    _check(q, k, cos, sin, rotary_dim)
+    _check(q, k, cos, sin, rotary_dim, interleaved)
     return _empty_out(q, _out_dtype(q, cos, sin)), _empty_out(k, _out_dtype(k, cos, sin))
 
 
@@ -386,6 +400,7 @@ def rope(
     q[..., :rotary_dim] and k[..., :rotary_dim], as HF has them after `unsqueeze`.
     rotary_dim: even number of leading channels to rotate (default: cos.shape[-1]); the rest
     pass through. interleaved: GPT-J pairs (2i, 2i+1) instead of HF's rotate_half halves.
+    Half-rotation cos/sin of width rotary_dim / 2 stand for both halves (pass rotary_dim then).
     cos and sin receive no gradient and must not require one.
     """
     if rotary_dim is None:

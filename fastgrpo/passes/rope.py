@@ -27,8 +27,8 @@ from torch import fx
 from fastgrpo.kernels import rope as _rope_ops  # noqa: F401  (registers the op)
 from fastgrpo.passes._fx import (
     call_with_example, erase_unused,
-    SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_widening_or_same, normalized_dim, only_user,
-    other_operand, propagate_meta, shape, site_name, strip_widening_casts, value, value_key,
+    SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, is_widening_or_same, normalized_dim,
+    only_user, other_operand, propagate_meta, shape, site_name, strip_widening_casts, value, value_key,
 )
 from fastgrpo.passes._record import PatternRecord
 
@@ -48,6 +48,7 @@ class _Rotation:
     out: fx.Node
     nodes: list[fx.Node]
     form: str = ""
+    cos_half: bool = False  # the op reads cos/sin at half width (their halves repeat)
 
 
 def _last_dim_slice(node) -> tuple[fx.Node, int | None, int | None, int | None] | None:
@@ -299,15 +300,61 @@ def _op_input(rot: _Rotation) -> fx.Node:
     return source if promoted == dtype(rot.out) else rot.x
 
 
+# Maps of one element at a time: halves that are equal before stay equal after.
+_ELEMENTWISE = ("cos", "sin", "neg", "cast", "contiguous")
+
+
+def _repeats_halves(node, depth: int = 16) -> bool:
+    """Whether the graph proves that the last dim of `node` is two equal halves: HF's
+    `cat((freqs, freqs), -1)` carried through element-wise maps, scalar factors and indexing or
+    reshapes that keep every last-dim row whole (the whole-model graph; in a decoder layer's own
+    graph cos and sin are inputs, and nothing is proved)."""
+    if depth == 0 or not isinstance(node, fx.Node) or not shape(node):
+        return False
+    rank = len(shape(node))
+    if is_kind(node, "cat"):
+        parts = arg(node, 0, "tensors")
+        return (isinstance(parts, (list, tuple)) and len(parts) == 2 and value_key(parts[0]) == value_key(parts[1])
+                and normalized_dim(arg(node, 1, "dim", 0), rank) == rank - 1)
+    operands = [a for a in node.args if isinstance(a, fx.Node)]
+    if len(operands) != 1 or not shape(operands[0]) or shape(operands[0])[-1] != shape(node)[-1]:
+        return False
+    source = operands[0]
+    if is_kind(node, "mul", "div"):
+        keeps_rows = all(a is source or is_scalar(a) for a in node.args[:2])
+    elif is_kind(node, "unsqueeze"):
+        keeps_rows = normalized_dim(arg(node, 1, "dim"), rank) != rank - 1
+    elif is_kind(node, "getitem"):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        # an index that reaches the last dim only through `...` followed by nothing, or not at all
+        keeps_rows = None not in index and (index[-1] is Ellipsis if Ellipsis in index
+                                            else len(index) < len(shape(source)))
+    else:
+        # reshapes keep last-dim rows whole when the last size stays: row-major order is kept
+        keeps_rows = is_kind(node, *_ELEMENTWISE, "view", "expand")
+    return keeps_rows and _repeats_halves(source, depth - 1)
+
+
+def _half_width(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """The first half of `node`'s last dim: `a` itself for `cat([a, a], -1)`, else a view."""
+    if is_kind(node, "cat"):
+        return arg(node, 0, "tensors")[0]
+    return _new_node(graph, operator.getitem, (node, (Ellipsis, slice(None, shape(node)[-1] // 2))))
+
+
 def _emit(graph: fx.Graph, q: _Rotation, k: _Rotation) -> bool:
     """One op call for q and k (or q alone when q is k), placed before the first use of either
-    output; False when an input is only defined after that point (then they go singly)."""
+    output; False when an input is only defined after that point (then they go singly).
+    Half-rotation cos/sin whose halves provably repeat go at half width: the kernel reads half."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_use = min((u for rot in (q, k) for u in rot.out.users), key=order.__getitem__)
     inputs = [_op_input(q), _op_input(k), q.cos, q.sin]
     if any(order[n] >= order[first_use] for n in inputs):
         return False
     with graph.inserting_before(first_use):
+        if not q.interleaved and _repeats_halves(q.cos) and _repeats_halves(q.sin):
+            inputs[2:] = [_half_width(graph, q.cos), _half_width(graph, q.sin)]
+            q.cos_half = True
         call = graph.call_function(
             torch.ops.fastgrpo.rope.default, (*inputs, shape(q.x)[-1], q.interleaved)
         )
@@ -319,6 +366,8 @@ def _emit(graph: fx.Graph, q: _Rotation, k: _Rotation) -> bool:
         erase_unused(graph, rot.nodes)
     for unused in {k.cos, k.sin} - {q.cos, q.sin}:  # k's own copies of q's cos and sin
         _erase_if_dead(graph, unused)
+    for full in (q.cos, q.sin):  # full-width cos/sin this pass built, replaced by their halves
+        _erase_if_dead(graph, full, only_new=True)
     return True
 
 
@@ -369,6 +418,7 @@ def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
         partial = ""
         if sliced is not None and shape(sliced[0])[-1] != shape(q.x)[-1]:
             partial = f", partial rotary ({shape(q.x)[-1]} of {shape(sliced[0])[-1]} channels)"
-        record.match(site_name(q.out), f"{form}{partial}, {'q and k in one call' if q is not k else 'one tensor'}")
+        half = ", cos/sin read at half width" if q.cos_half else ""
+        record.match(site_name(q.out), f"{form}{partial}{half}, {'q and k in one call' if q is not k else 'one tensor'}")
     graph.lint()
     gm.recompile()
