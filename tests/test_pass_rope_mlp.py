@@ -54,7 +54,7 @@ _COS_SIN = {  # how cos/sin are built from angles [1, S, 8] -> whether their hal
     "hf": (lambda f: (torch.cat((f, f), -1).cos() * 1.5, torch.cat((f, f), -1).sin() * 1.5), True),
     "reshaped": (lambda f: (_reshaped(f).cos(), _reshaped(f).sin()), True),
     "different halves": (lambda f: (torch.cat((f, 2 * f), -1).cos(), torch.cat((f, 2 * f), -1).sin()), False),
-    "tensor factor": (lambda f: (torch.cat((f, f), -1).cos() * torch.linspace(1, 2, 16),
+    "tensor factor": (lambda f: (torch.cat((f, f), -1).cos() * torch.linspace(1, 2, 16, device=f.device),
                                  torch.cat((f, f), -1).sin()), False),
     # rows of 16 made of two consecutive positions of the cat: the last dim changes in the reshape
     "cat on positions": (lambda f: (torch.cat((f, f), 1).reshape(1, -1, 16).cos(),
