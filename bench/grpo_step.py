@@ -12,7 +12,11 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
             there). The gated-MLP op, down projection included, keeps only x and recomputes the
             projections in its backward, and the offloaded checkpoint's recompute of a layer skips the
             MLP altogether (its output feeds only the residual add); attention runs on cuDNN's kernel
-            (the attention pattern): what the TRL integration does with offloaded checkpointing
+            as fastgrpo::attention, whose output and log-sum-exp wait in host memory beside the layer
+            input so that the recompute skips attention too (the attention pattern): what the TRL
+            integration does with offloaded checkpointing
+  fastgrpo_recompute_attention  the same with the recompute running attention again (SDPA on cuDNN,
+            keep_attention_output=False): the `fastgrpo` row before 2026-12-01's twelfth session
   fastgrpo_flash  the same with SDPA's flash kernel (the attention pattern left out, flash forced while the
             layers compile: torch 2.11's own choice on the H200 is cuDNN already)
   fastgrpo_save  the same with the op keeping the gate and up projections (save_mlp_projections=True;
@@ -77,6 +81,7 @@ _ACT_MUL = {"absorb_mlp_projections": False}
 FASTGRPO_OPTIONS = {
     "fastgrpo": None,
     "fastgrpo_flash": None,
+    "fastgrpo_recompute_attention": {"keep_attention_output": False},
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_nomlp": None,

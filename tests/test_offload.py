@@ -137,6 +137,41 @@ def test_compiled_layers(arch, save_projections, monkeypatch):
     assert handle.stats.offloaded == 2 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
 
 
+@pytest.mark.parametrize("arch,inner", [("llama", "eager"), ("qwen3", "inductor"), ("gemma2", "aot_eager")])
+def test_recompute_takes_back_the_attention_output(arch, inner, monkeypatch):
+    """With the attention sites as fastgrpo::attention, each layer's attention output and log-sum-exp wait in the
+    host buffers beside the layer's input (the last layer's on the device), and the checkpoint's recompute gets
+    them back: attention's kernel runs once per layer and step, not twice. Gradients are those of the model
+    without checkpointing."""
+    from fastgrpo.kernels import attention as attention_kernel
+
+    attention_forwards = []
+    kernel = attention_kernel._kernel_forward
+
+    def counted(query, *args):
+        if not isinstance(query, torch._subclasses.FakeTensor):  # not the compiler's tracing with fakes
+            attention_forwards.append(1)
+        return kernel(query, *args)
+
+    monkeypatch.setattr(attention_kernel, "_kernel_forward", counted)
+    torch._dynamo.reset()
+    ids, mask = batch()
+    reference = step(make(arch, lora=True), ids, mask)
+    compiled = make(arch, lora=True)
+    fastgrpo.clear_fusion_reports()
+    fastgrpo.compile_repeated_blocks(compiled.get_base_model(), options={"inner": inner, "keep_attention_output": True})
+    handle = enable_offloaded_checkpointing(compiled)
+    for steps in (1, 2):
+        assert_same(reference, step(compiled, ids, mask), rtol=1e-4, atol=1e-5)
+        assert len(attention_forwards) == steps * LAYERS
+    sites = [site for r in fastgrpo.fusion_reports() for site in r["patterns"]["attention"]["sites"]]
+    assert sites and all(site["form"] == "CPU flash, output kept for a checkpoint's re-run" for site in sites)
+    stats = handle.stats
+    assert stats.outputs_offloaded == 2 * 2 * (LAYERS - 1) and stats.outputs_on_device == 2 * 2
+    assert stats.outputs_replayed == 2 * LAYERS and stats.outputs_missing == 0 and stats.loaded_on_demand == 0
+    assert any(isinstance(key, tuple) for key in handle.host_buffers())  # the outputs' own host buffers
+
+
 def test_whole_model_compile():
     """Under a whole-model torch.compile each layer call is a graph break; results stay exact."""
     torch._dynamo.reset()
@@ -511,7 +546,13 @@ def test_cuda_equal_and_off_device(dtype, compiled):
     loss.backward()
     model.zero_grad(set_to_none=True)
     assert all(b.is_pinned() for bufs in handle.host_buffers().values() for b in bufs)
-    assert handle.stats.host_allocations == 7 and handle.stats.loaded_on_demand == 0
+    # Host buffers are allocated in the first step and reused after: one per offloaded layer input, and one per
+    # tensor its attention kept for the recompute (output and log-sum-exp, where the compiled layers run
+    # fastgrpo::attention: bf16 on cuDNN; float32 stays with SDPA).
+    kept_per_layer = handle.stats.outputs_offloaded // handle.stats.offloaded
+    assert kept_per_layer == (2 if compiled and dtype == torch.bfloat16 else 0)
+    assert handle.stats.host_allocations == 7 * (1 + kept_per_layer) and handle.stats.loaded_on_demand == 0
+    assert handle.stats.outputs_missing == 0
 
 
 def test_trainer_flag_auto_means_cuda_with_checkpointing(tmp_path):

@@ -33,21 +33,59 @@ def test_cpu_graphs_are_left_to_sdpa(arch):
     assert record["matched"] == 0 and not record["near_misses"]
 
 
+KEPT_FORM = "cudnn, output kept for a checkpoint's re-run"
+RECOMPUTED_FORM = "cudnn, output recomputed (keep_attention_output=False)"
+
+
+@pytest.mark.parametrize("keep,form", [(None, KEPT_FORM), (False, RECOMPUTED_FORM)])
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rerouted_sites_equal_eager(arch, inner, monkeypatch):
-    """Where cuDNN takes the inputs every layer's SDPA call is rerouted, and the model computes what eager does
-    (here on whatever device the tests run: the reroute changes only SDPA's kernel priority)."""
+def test_rerouted_sites_equal_eager(arch, inner, keep, form, monkeypatch):
+    """Where cuDNN takes the inputs every layer's SDPA call is rerouted (by default to fastgrpo::attention, which
+    can keep its output for a checkpoint's re-run), and the model computes what eager does (here on whatever
+    device the tests run: on the CPU the op runs SDPA's CPU flash kernel)."""
     monkeypatch.setattr(attention, "_on_cuda", lambda query: isinstance(query, torch.Tensor))
     monkeypatch.setattr(attention, "_why_not_cudnn", lambda inputs: None)
     model = tiny_model(arch)
     expected, expected_grads, actual, actual_grads = _compile_and_compare(
-        model, torch.randint(3, VOCAB, (2, 10)), {"inner": inner})
+        model, torch.randint(3, VOCAB, (2, 10)), {"inner": inner, "keep_attention_output": keep})
     record = _record()
     assert record["matched"] == model.config.num_hidden_layers and not record["near_misses"]
-    assert all(site["form"] == "cudnn" for site in record["sites"])
+    assert all(site["form"] == form for site in record["sites"])
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_sites_take_the_op_when_asked(arch):
+    """keep_attention_output=True puts fastgrpo::attention (SDPA's CPU flash kernel) on the CPU's sites too."""
+    model = tiny_model(arch)
+    if next(model.parameters()).is_cuda:
+        pytest.skip("a CPU test")
+    expected, expected_grads, actual, actual_grads = _compile_and_compare(
+        model, torch.randint(3, VOCAB, (2, 10)), {"keep_attention_output": True})
+    record = _record()
+    assert record["matched"] == model.config.num_hidden_layers and not record["near_misses"]
+    assert all(site["form"] == "CPU flash, output kept for a checkpoint's re-run" for site in record["sites"])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(expected_grads, actual_grads, rel=1e-4)
+
+
+def test_attention_dropout_is_reported(monkeypatch):
+    """A site with dropout keeps nothing (a re-run would need the same dropout mask): on the CPU it is left to
+    SDPA and reported; on cuDNN it is rerouted with its output recomputed, and the form says why."""
+    model = tiny_model("llama", attention_dropout=0.1).train()
+    ids = torch.randint(3, VOCAB, (2, 10))
+    fastgrpo.clear_fusion_reports()
+    torch.compile(model, backend="fastgrpo", options={"inner": "eager", "keep_attention_output": True})(input_ids=ids)
+    record = _record()
+    layers = model.config.num_hidden_layers
+    if next(model.parameters()).is_cuda:
+        assert all(site["form"] == "cudnn, output recomputed (dropout_p=0.1 (a re-run would have to replay the "
+                   "dropout mask))" for site in record["sites"]) and record["matched"] == layers
+    else:
+        assert record["matched"] == 0 and len(record["near_misses"]) == layers
+        assert all("dropout_p=0.1" in miss["reason"] for miss in record["near_misses"])
 
 
 def test_not_rerouted_when_the_user_disabled_cudnn(monkeypatch):

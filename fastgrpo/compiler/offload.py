@@ -13,7 +13,10 @@ host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
 - host buffers are pinned, one per layer, kept across steps and re-allocated only when a larger
   input arrives; the last layer's input stays on the device (its backward comes first);
 - the recompute runs inside `_dispatch.checkpoint_recompute()`: ops whose output the compiler proved
-  feeds no saved tensor (the gated-MLP op before the residual add) compute only what they save.
+  feeds no saved tensor (the gated-MLP op before the residual add) compute only what they save;
+- outputs an op keeps for the recompute (`_dispatch.kept_outputs()`: fastgrpo::attention's output and
+  log-sum-exp) wait in host memory like the layer's input, are prefetched with it, and the recompute gets them
+  back instead of running attention again.
 
 Without CUDA the same code runs with synchronous copies into plain host buffers (CPU tests exercise
 it; on a CPU-only machine the "offload" saves nothing).
@@ -58,7 +61,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
-from fastgrpo.kernels._dispatch import checkpoint_recompute
+from fastgrpo.kernels._dispatch import KeptOutputs, checkpoint_recompute, keeping_outputs
 
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"
@@ -73,6 +76,10 @@ class OffloadStats:
     kept: int = 0  # layer inputs left on the device (the last layer's, or non-contiguous ones)
     prefetched: int = 0  # copies back to the device started one layer ahead
     loaded_on_demand: int = 0  # copies back that nothing had prefetched (the first layer after a retain_graph, ...)
+    outputs_offloaded: int = 0  # tensors ops kept for the recompute (attention's output, ...) copied to the host
+    outputs_on_device: int = 0  # such tensors left on the device (the last layer's, or not dense)
+    outputs_replayed: int = 0  # op calls of a recompute that got their kept outputs back instead of computing
+    outputs_missing: int = 0  # op calls of a recompute that found nothing kept and computed
 
 
 class _HostSlot:
@@ -85,20 +92,18 @@ class _HostSlot:
         self.in_use = False
 
 
-class _SavedInput:
-    """What the pack hook stores for a layer input: a host copy (or the device tensor itself, when kept).
+class _HostCopy:
+    """A tensor waiting for the backward: in a host buffer (`host`, from `slot`), or on the device (`kept`).
 
-    Lives exactly as long as autograd's saved copy of the checkpoint's inputs, so its host slot is
-    freed for the next step when the graph is freed."""
+    Frees its host slot for the next step when it dies (with autograd's graph)."""
 
-    def __init__(self, layer: int, device: torch.device, kept: torch.Tensor | None, host: torch.Tensor | None,
-                 slot: _HostSlot | None, previous: weakref.ref | None):
-        self.layer = layer
+    def __init__(self, device: torch.device, kept: torch.Tensor | None, host: torch.Tensor | None,
+                 slot: _HostSlot | None, order: tuple[int, ...] | None = None):
         self.device = device
         self.kept = kept
         self.host = host
         self.slot = slot
-        self.previous = previous  # the layer before's saved input, whose copy back this one starts
+        self.order = order  # the tensor is host.permute(order) (a dense layout other than contiguous), or None
         self.on_device: torch.Tensor | None = None  # a copy back, started or done
         self.ready: torch.cuda.Event | None = None  # recorded on the copy stream after that copy
 
@@ -107,18 +112,74 @@ class _SavedInput:
             self.slot.in_use = False
 
 
-def marking_recomputes(forward):
+class _SavedInput(_HostCopy):
+    """What the pack hook stores for a layer input; `frame` holds what the layer's ops kept for its recompute."""
+
+    def __init__(self, layer: int, previous: weakref.ref | None, frame: _KeptFrame, **copy):
+        super().__init__(**copy)
+        self.layer = layer
+        self.previous = previous  # the layer before's saved input, whose copy back this one starts
+        self.frame = frame
+
+
+class _KeptFrame(KeptOutputs):
+    """What ops kept in one checkpointed call of a layer, for that call's recompute (in call order)."""
+
+    def __init__(self, handle: OffloadHandle, layer: int):
+        self.handle = handle
+        self.layer = layer
+        self.recording = True
+        self.entries: list[list[_HostCopy]] = []
+        self.position = 0
+
+    def keep(self, tensors):
+        handle = self.handle
+        slot_index = sum(len(entry) for entry in self.entries)
+        self.entries.append([_HostCopy(**handle._hold(tensor, (self.layer, slot_index + i), output=True))
+                             for i, tensor in enumerate(tensors)])
+
+    def start_replay(self) -> None:
+        self.recording = False
+        self.position = 0
+
+    def replay(self):
+        if self.position >= len(self.entries):
+            self.handle.stats.outputs_missing += 1
+            return None
+        entry = self.entries[self.position]
+        self.position += 1
+        self.handle.stats.outputs_replayed += 1
+        return tuple(self.handle._take(copy) for copy in entry)
+
+    def prefetch(self) -> None:
+        for entry in self.entries:
+            for copy in entry:
+                if copy.kept is None and copy.on_device is None:
+                    self.handle._copy_back(copy)
+
+
+def _dense_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """Dims outermost first by stride, when `tensor.permute(order)` is contiguous (a dense layout); else None."""
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def marking_recomputes(forward, frame: _KeptFrame | None = None):
     """`forward` for torch's non-reentrant checkpoint, with every call after the first inside
     `checkpoint_recompute()`: the first call is the forward; the checkpoint calls again only to recompute the
-    saved tensors and throws the outputs away, so ops the compiler proved feed no saved tensor skip their output."""
+    saved tensors and throws the outputs away, so ops the compiler proved feed no saved tensor skip their output.
+    With `frame`, ops keep outputs in it during the first call and take them back in every later one."""
     calls = 0
 
     def run(*args, **kwargs):
         nonlocal calls
         calls += 1
         if calls == 1:
-            return forward(*args, **kwargs)
-        with checkpoint_recompute():
+            with keeping_outputs(frame):
+                return forward(*args, **kwargs)
+        if frame is not None:
+            frame.start_replay()
+        with checkpoint_recompute(), keeping_outputs(frame):
             return forward(*args, **kwargs)
 
     return run
@@ -131,7 +192,7 @@ class OffloadHandle:
         self.blocks = list(blocks)
         self.keep_last = keep_last
         self.stats = OffloadStats()
-        self._slots: dict[int, list[_HostSlot]] = {}
+        self._slots: dict[int | tuple[int, int], list[_HostSlot]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._target: tuple[torch.Tensor, int] | None = None  # (input, layer) the pack hook waits for
         self._last: weakref.ref | None = None  # the most recent saved input
@@ -152,8 +213,9 @@ class OffloadHandle:
         self.stats.host_bytes = 0
         self._enabled = False
 
-    def host_buffers(self) -> dict[int, list[torch.Tensor]]:
-        """Each layer's host buffers (flat uint8), for inspection."""
+    def host_buffers(self) -> dict[int | tuple[int, int], list[torch.Tensor]]:
+        """Host buffers (flat uint8) of each layer's input (key: the layer) and of the i-th tensor its ops kept
+        (key: (layer, i)), for inspection."""
         return {layer: [slot.buffer for slot in slots] for layer, slots in self._slots.items()}
 
     def __enter__(self) -> OffloadHandle:
@@ -185,10 +247,11 @@ class OffloadHandle:
                 f"offloaded checkpointing: {type(block).__name__} was called without a tensor as its first "
                 f"argument or as `{HIDDEN_KWARG}=`; cannot tell which input to offload"
             )
-        run = marking_recomputes(forward)
+        frame = _KeptFrame(self, layer)
+        run = marking_recomputes(forward, frame)
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
-        self._target = (hidden, layer)
+        self._target = (hidden, layer, frame)
         try:
             with saved_tensors_hooks(self._pack, self._unpack):
                 return checkpoint(run, hidden, *rest, use_reentrant=False, **kwargs)
@@ -198,50 +261,79 @@ class OffloadHandle:
     def _pack(self, tensor: torch.Tensor):
         if self._target is None or tensor is not self._target[0]:
             return tensor
-        layer = self._target[1]
+        _, layer, frame = self._target
         self._target = None  # hold no reference to the device tensor
         last = self._last() if self._last is not None else None
         previous = self._last if last is not None and last.layer == layer - 1 else None
-        if layer >= len(self.blocks) - self.keep_last or not tensor.is_contiguous() or tensor.numel() == 0:
-            self.stats.kept += 1
-            saved = _SavedInput(layer, tensor.device, kept=tensor, host=None, slot=None, previous=previous)
-        else:
-            self.stats.offloaded += 1
-            nbytes = tensor.numel() * tensor.element_size()
-            slot = self._acquire(layer, nbytes, pin=tensor.device.type == "cuda")
-            host = slot.buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
-            if tensor.device.type == "cuda":
-                stream = self._stream(tensor.device)
-                stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the input is made on the compute stream
-                with torch.cuda.stream(stream):
-                    host.copy_(tensor, non_blocking=True)
-                tensor.record_stream(stream)  # its memory is not reused before the copy has read it
-            else:
-                host.copy_(tensor)
-            saved = _SavedInput(layer, tensor.device, kept=None, host=host, slot=slot, previous=previous)
+        saved = _SavedInput(layer, previous, frame, **self._hold(tensor, layer, output=False))
         self._last = weakref.ref(saved)
         return saved
+
+    def _offloads(self, layer: int) -> bool:
+        return layer < len(self.blocks) - self.keep_last
+
+    def _hold(self, tensor: torch.Tensor, slot_key, output: bool) -> dict:
+        """A `_HostCopy`'s fields for `tensor`: copied to a host buffer of `slot_key` (on a side stream on CUDA), or
+        kept on the device: in the last `keep_last` layers, and where its layout is not dense (not contiguous,
+        for a layer input)."""
+        layer = slot_key[0] if output else slot_key
+        if output:
+            order = _dense_order(tensor)
+        else:
+            order = tuple(range(tensor.dim())) if tensor.is_contiguous() else None
+        if not self._offloads(layer) or order is None or tensor.numel() == 0:
+            if output:
+                self.stats.outputs_on_device += 1
+            else:
+                self.stats.kept += 1
+            return dict(device=tensor.device, kept=tensor, host=None, slot=None)
+        if output:
+            self.stats.outputs_offloaded += 1
+        else:
+            self.stats.offloaded += 1
+        dense = tensor.permute(order)
+        nbytes = dense.numel() * dense.element_size()
+        slot = self._acquire(slot_key, nbytes, pin=tensor.device.type == "cuda")
+        host = slot.buffer[:nbytes].view(dense.dtype).view(dense.shape)
+        if tensor.device.type == "cuda":
+            stream = self._stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is made on the compute stream
+            with torch.cuda.stream(stream):
+                host.copy_(dense, non_blocking=True)
+            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        else:
+            host.copy_(dense)
+        return dict(device=tensor.device, kept=None, host=host, slot=slot,
+                    order=None if order == tuple(range(tensor.dim())) else order)
+
+    def _take(self, copy: _HostCopy) -> torch.Tensor:
+        """The device tensor of `copy`, waiting for (or starting) its copy back; the caller holds it from here."""
+        if copy.kept is not None:
+            return copy.kept
+        if copy.on_device is None:
+            self.stats.loaded_on_demand += 1
+            self._copy_back(copy)
+        if copy.ready is not None:
+            torch.cuda.current_stream(copy.device).wait_event(copy.ready)
+            copy.ready = None
+        tensor, copy.on_device = copy.on_device, None
+        if copy.order is not None:
+            tensor = tensor.permute([copy.order.index(d) for d in range(tensor.dim())])
+        return tensor
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedInput):
             return saved
-        if saved.kept is not None:
-            tensor = saved.kept
-        else:
-            if saved.on_device is None:
-                self.stats.loaded_on_demand += 1
-                self._copy_back(saved)
-            if saved.ready is not None:
-                torch.cuda.current_stream(saved.device).wait_event(saved.ready)
-                saved.ready = None
-            tensor, saved.on_device = saved.on_device, None  # the recompute holds it from here
+        tensor = self._take(saved)
         previous = saved.previous() if saved.previous is not None else None
-        if previous is not None and previous.kept is None and previous.on_device is None:
-            self.stats.prefetched += 1
-            self._copy_back(previous)
+        if previous is not None:
+            if previous.kept is None and previous.on_device is None:
+                self.stats.prefetched += 1
+                self._copy_back(previous)
+            previous.frame.prefetch()  # its recompute comes next, and takes back what its ops kept
         return tensor
 
-    def _copy_back(self, saved: _SavedInput) -> None:
+    def _copy_back(self, saved: _HostCopy) -> None:
         host = saved.host
         # Allocated on the compute stream, which will read it after waiting for `ready`.
         on_device = torch.empty(host.shape, dtype=host.dtype, device=saved.device)
@@ -259,8 +351,10 @@ class OffloadHandle:
         saved.on_device = on_device
 
     # ---- buffers and streams -----------------------------------------------------------------------------
-    def _acquire(self, layer: int, nbytes: int, pin: bool) -> _HostSlot:
-        slots = self._slots.setdefault(layer, [])
+    def _acquire(self, key, nbytes: int, pin: bool) -> _HostSlot:
+        """A free host buffer of at least `nbytes` among those of `key` (a layer, or (layer, i) for the i-th
+        tensor its ops kept)."""
+        slots = self._slots.setdefault(key, [])
         free = [slot for slot in slots if not slot.in_use]
         slot = next((s for s in free if s.buffer.numel() >= nbytes), None)
         if slot is None:

@@ -30,6 +30,10 @@ class Options:
     # ms); on the CPU the joined GEMM only sums in another order (fp32 results then differ from stock TRL's in the
     # last bits). True or False: everywhere or nowhere.
     join_projections: bool | None = None
+    # Attention sites as fastgrpo::attention, whose output and log-sum-exp a checkpoint's re-run of the layer takes
+    # back instead of computing attention again (kept in host memory under offloaded checkpointing). None: on CUDA,
+    # where the site runs on cuDNN; True: also on the CPU (SDPA's CPU flash kernel); False: SDPA everywhere.
+    keep_attention_output: bool | None = None
     # Print the fusion table after each graph is compiled.
     print_report: bool = False
     # Extra inductor config (passed to compile_fx as config_patches).

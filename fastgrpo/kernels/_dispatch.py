@@ -92,6 +92,38 @@ def in_checkpoint_recompute() -> bool:
     return getattr(_recompute, "active", False)
 
 
+class KeptOutputs:
+    """Outputs an op keeps from a checkpointed forward for the checkpoint's re-run of it, in call order.
+
+    The checkpoint (fastgrpo.compiler.offload) owns one per checkpointed call and decides where the kept tensors
+    wait (host memory, or the device); an op reads it through `kept_outputs()`. While `recording` (the forward) an
+    op computes and calls `keep`; in the re-run (`recording` False) it asks `replay` for what it kept instead of
+    computing it again, and computes only if nothing was kept (None)."""
+
+    recording = True
+
+    def keep(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        raise NotImplementedError
+
+    def replay(self) -> tuple[torch.Tensor, ...] | None:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def keeping_outputs(frame: KeptOutputs | None):
+    """Makes `frame` the one `kept_outputs()` answers on this thread (the re-run runs on autograd's thread)."""
+    previous = getattr(_recompute, "frame", None)
+    _recompute.frame = frame
+    try:
+        yield
+    finally:
+        _recompute.frame = previous
+
+
+def kept_outputs() -> KeptOutputs | None:
+    return getattr(_recompute, "frame", None)
+
+
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's
 # JIT wrapper (~3 us a call), and a launch computes several (RoPE's host path: 58 -> 45 us a call on the
 # CI machine). At short completions the GRPO step is bound by the host.

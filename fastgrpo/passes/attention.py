@@ -13,13 +13,19 @@ the call is traced, so the graph holds cuDNN's forward and backward. The maths i
 cuDNN refuses the inputs, SDPA's next choice applies, and the pass, which asks SDPA ahead of time
 with the same inputs, reports the site as not accelerated with SDPA's choice instead.
 
-Nothing is recorded for graphs on the CPU: SDPA's own CPU kernel is what runs there.
+Where the site goes to cuDNN, the call becomes `fastgrpo::attention` (fastgrpo/kernels/attention.py): the
+same kernel, whose output and log-sum-exp a checkpoint's re-run of the layer takes back instead of running
+attention again (option `keep_attention_output`; None, the default, on CUDA only; True also on the CPU, with
+SDPA's CPU flash kernel). Outside a checkpoint it is SDPA's computation.
+
+Nothing else is recorded for graphs on the CPU: SDPA's own CPU kernel is what runs there.
 """
 import torch
 import torch.nn.functional as F
 from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fastgrpo.kernels import attention as attention_kernel
 from fastgrpo.passes._fx import arg, error_summary, is_kind, site_name, value
 from fastgrpo.passes._record import PatternRecord
 
@@ -115,19 +121,45 @@ def _why_not_cudnn(inputs: dict) -> str | None:
     return None
 
 
+def _why_not_kept(inputs: dict) -> str | None:
+    """None when fastgrpo::attention takes the site (and keeps its output for a checkpoint's re-run); else why not."""
+    if inputs["dropout_p"] != 0.0:
+        return f"dropout_p={inputs['dropout_p']} (a re-run would have to replay the dropout mask)"
+    mask = _example(inputs["attn_mask"])
+    if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.dim() != 4):
+        return "the mask is trained" if mask.requires_grad else f"a {mask.dim()}-D mask (the op takes 4-D masks)"
+    query, key = _example(inputs["query"]), _example(inputs["key"])
+    if query.dim() != 4 or key.dim() != 4:
+        return "not [batch, heads, seq, head_dim] inputs"
+    return None
+
+
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
-    rerouted = False
+    keep = options.keep_attention_output
+    rewritten = False
     for node in list(gm.graph.nodes):
         if not is_kind(node, "sdpa"):
             continue
-        if not _on_cuda(_example(arg(node, 0, "query"))):
+        inputs = _sdpa_inputs(node)
+        on_cuda = _on_cuda(_example(inputs["query"]))
+        if not on_cuda and keep is not True:
             continue
-        reason = _why_not_cudnn(_sdpa_inputs(node))
-        if reason is not None:
-            record.miss(site_name(node), reason)
+        if on_cuda:
+            reason = _why_not_cudnn(inputs)
+            if reason is not None:
+                record.miss(site_name(node), reason)
+                continue
+        kernel = "cudnn" if on_cuda else "CPU flash"
+        why_not_kept = "keep_attention_output=False" if keep is False else _why_not_kept(inputs)
+        if why_not_kept is None:
+            node.target = attention_kernel.attention
+            record.match(site_name(node), f"{kernel}, output kept for a checkpoint's re-run")
+        elif on_cuda:
+            node.target = sdpa_preferring_cudnn
+            record.match(site_name(node), f"cudnn, output recomputed ({why_not_kept})")
+        else:
+            record.miss(site_name(node), f"output not kept: {why_not_kept}")
             continue
-        node.target = sdpa_preferring_cudnn
-        record.match(site_name(node), "cudnn")
-        rerouted = True
-    if rerouted:
+        rewritten = True
+    if rewritten:
         gm.recompile()
