@@ -403,12 +403,14 @@ def test_backend_option_points_to_compile_repeated_blocks():
         Options.parse({"inner_compiler": "eager"})
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_trainer_flag_matches_plain_checkpointing(tmp_path, device):
+@pytest.mark.parametrize("device,keep_attention", [("cpu", False), ("cpu", True),
+                                                   pytest.param("cuda", False, marks=pytest.mark.gpu)])
+def test_trainer_flag_matches_plain_checkpointing(tmp_path, device, keep_attention):
     """fastgrpo's GRPOTrainer with fastgrpo_offload_checkpointing: the same loss and LoRA gradients as without it
     (fixed completions, compiled layers vs the compiled decoder), TRL's checkpointing toggles pass through, and
     the policy's layer inputs are in the host buffers between forward and backward. On CUDA: the backend's
-    default inner compiler, fp32, side-stream copies into pinned buffers."""
+    default inner compiler, fp32, side-stream copies into pinned buffers. With `keep_attention` (CPU), the layers'
+    attention is fastgrpo::attention and the recompute takes its outputs back."""
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -429,7 +431,10 @@ def test_trainer_flag_matches_plain_checkpointing(tmp_path, device):
         args = F.GRPOConfig(**common_args(
             # num_iterations=2: TRL runs a no-grad old-policy pass (toggling checkpointing off and on around it).
             tmp_path, num_iterations=2, beta=0.0, loss_type="dapo", bf16=False, fastgrpo_mini_batch=3,
-            fastgrpo_compile_options={"inner": "eager"} if device == "cpu" else None,
+            fastgrpo_compile_options={"inner": "eager", "keep_attention_output": keep_attention} if device == "cpu"
+            else None,
+            # Packed rows (the CPU default) attend through variable-length attention, which keeps nothing.
+            fastgrpo_packing=False if keep_attention else "auto",
             fastgrpo_offload_checkpointing=offload, use_cpu=device == "cpu"))
         built = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
@@ -474,6 +479,8 @@ def test_trainer_flag_matches_plain_checkpointing(tmp_path, device):
                 x, nbytes = x.cpu(), x.numel() * x.element_size()
                 assert any(b.numel() >= nbytes and torch.equal(b[:nbytes].view(x.dtype).view(x.shape), x) for b in host)
         loss.backward()
+        if offload and keep_attention:  # every layer's recompute took its attention output back
+            assert handle.stats.outputs_replayed == forwards * layers and handle.stats.outputs_missing == 0
         results.append((loss.detach(), {n: p.grad.clone() for n, p in lora_params(t.model)}))
         assert not torch._dynamo.utils.counters["graph_break"]
         if offload:

@@ -163,3 +163,24 @@ def test_cuda_float32_is_reported_with_sdpa_choice():
     assert len(record["near_misses"]) == model.config.num_hidden_layers
     reason = record["near_misses"][0]["reason"]
     assert ("SDPA chose" in reason) or ("sm90" in reason), reason
+
+
+def test_symbolic_dropout_is_taken_at_zero_and_guarded():
+    """Compiled one layer at a time with dynamic shapes, Dynamo makes HF's float `attention_dropout` a graph input:
+    the site is taken while it is 0 in the trace, and the op's check guards the graph on it, so a layer whose
+    dropout is then switched on recompiles (and that graph's site is reported, its dropout applied)."""
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    if next(model.parameters()).is_cuda:
+        pytest.skip("a CPU test")
+    fastgrpo.clear_fusion_reports()
+    fastgrpo.compile_repeated_blocks(model, options={"inner": "eager", "keep_attention_output": True}, dynamic=True)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    model(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert _record()["matched"] == 1  # one graph serves both layers
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    fastgrpo.clear_fusion_reports()
+    outputs = [model(input_ids=ids, use_cache=False).logits for _ in range(2)]
+    record = _record()
+    assert record["matched"] == 0 and "dropout_p=0.5" in record["near_misses"][0]["reason"]
+    assert not torch.equal(*outputs)  # dropout is on

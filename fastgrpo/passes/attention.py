@@ -121,10 +121,21 @@ def _why_not_cudnn(inputs: dict) -> str | None:
     return None
 
 
+def _hinted(x):
+    """A number as this trace sees it: a graph value's example (a symbolic float's value in this trace: Dynamo
+    makes a layer's float attributes, such as HF's attention dropout, inputs of a dynamic-shape graph)."""
+    example = _example(x)
+    if isinstance(example, (torch.SymFloat, torch.SymInt)):
+        return getattr(example.node, "hint", None)
+    return example
+
+
 def _why_not_kept(inputs: dict) -> str | None:
-    """None when fastgrpo::attention takes the site (and keeps its output for a checkpoint's re-run); else why not."""
-    if inputs["dropout_p"] != 0.0:
-        return f"dropout_p={inputs['dropout_p']} (a re-run would have to replay the dropout mask)"
+    """None when fastgrpo::attention takes the site (and keeps its output for a checkpoint's re-run); else why not.
+    (A symbolic dropout_p that is 0 in this trace is taken: the op's `if dropout_p` guards the graph on it.)"""
+    dropout_p = _hinted(inputs["dropout_p"])
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (a re-run would have to replay the dropout mask)"
     mask = _example(inputs["attn_mask"])
     if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.dim() != 4):
         return "the mask is trained" if mask.requires_grad else f"a {mask.dim()}-D mask (the op takes 4-D masks)"
