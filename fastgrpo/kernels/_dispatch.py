@@ -71,25 +71,29 @@ def triton_on_cpu():
         _triton_on_cpu = previous
 
 
+# Thread-local: a checkpoint's re-run runs on autograd's thread.
 _recompute = threading.local()
 
 
 @contextlib.contextmanager
-def checkpoint_recompute():
-    """Marks a gradient checkpoint's re-run of a forward whose outputs are thrown away (torch's non-reentrant
-    checkpoint re-runs a layer only for the tensors it saves). An op whose output the compiler proved feeds
-    nothing that is saved (`skip_output_on_recompute`) may then compute only what it saves. Thread-local: the
-    recompute runs on autograd's thread."""
-    previous = getattr(_recompute, "active", False)
-    _recompute.active = True
+def _on_this_thread(name: str, value):
+    previous = getattr(_recompute, name, None)
+    setattr(_recompute, name, value)
     try:
         yield
     finally:
-        _recompute.active = previous
+        setattr(_recompute, name, previous)
+
+
+def checkpoint_recompute():
+    """Marks a gradient checkpoint's re-run of a forward whose outputs are thrown away (torch's non-reentrant
+    checkpoint re-runs a layer only for the tensors it saves). An op whose output the compiler proved feeds
+    nothing that is saved (`skip_output_on_recompute`) may then compute only what it saves."""
+    return _on_this_thread("active", True)
 
 
 def in_checkpoint_recompute() -> bool:
-    return getattr(_recompute, "active", False)
+    return bool(getattr(_recompute, "active", False))
 
 
 class KeptOutputs:
@@ -109,15 +113,9 @@ class KeptOutputs:
         raise NotImplementedError
 
 
-@contextlib.contextmanager
 def keeping_outputs(frame: KeptOutputs | None):
-    """Makes `frame` the one `kept_outputs()` answers on this thread (the re-run runs on autograd's thread)."""
-    previous = getattr(_recompute, "frame", None)
-    _recompute.frame = frame
-    try:
-        yield
-    finally:
-        _recompute.frame = previous
+    """Makes `frame` the one `kept_outputs()` answers on this thread."""
+    return _on_this_thread("frame", frame)
 
 
 def kept_outputs() -> KeptOutputs | None:
