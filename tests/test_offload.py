@@ -172,6 +172,30 @@ def test_recompute_takes_back_the_attention_output(arch, inner, monkeypatch):
     assert any(isinstance(key, tuple) for key in handle.host_buffers())  # the outputs' own host buffers
 
 
+def test_kept_attention_outputs_stay_with_their_call():
+    """Two forwards before their backwards (each layer call keeps its own outputs), and a backward run twice with
+    retain_graph (the second recompute copies the kept outputs back again): gradients stay exact."""
+    torch._dynamo.reset()
+    model = make("qwen2", lora=True)
+    first, second = batch(seed=1), batch(seed=2)
+    grads_first, grads_second = step(model, *first)[1], step(model, *second)[1]
+    fastgrpo.compile_repeated_blocks(model.get_base_model(), options=EAGER | {"keep_attention_output": True})
+    handle = enable_offloaded_checkpointing(model)
+    losses = [loss_of(model, *first), loss_of(model, *second)]
+    (losses[0] + losses[1]).backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads_first[name] + grads_second[name], rtol=1e-4, atol=1e-6, msg=name)
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model, *first)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, 2 * grads_first[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert handle.stats.outputs_replayed == 4 * LAYERS and handle.stats.outputs_missing == 0
+
+
 def test_whole_model_compile():
     """Under a whole-model torch.compile each layer call is a graph break; results stay exact."""
     torch._dynamo.reset()
