@@ -142,13 +142,16 @@ def plan_packing(
     no_sharing = None
     prompt_of = list(range(rows))  # rows with equal numbers here share a prompt
     sharing = False  # prompts packed as segments of their own, each followed by its rows' completions
+    shared_rows = 0  # rows whose prompt another row has too
     if share_prompt:
         no_sharing = _sharing_problem(rows, first, last, scored, col, prompt_columns)
         if no_sharing is None:
             sharing = True
             prompts = input_ids[:, :prompt_columns].masked_fill(~real[:, :prompt_columns], -1)
-            prompt_of = torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
-            if len(set(prompt_of)) == rows:
+            _, inverse, counts = torch.unique(prompts, dim=0, return_inverse=True, return_counts=True)
+            prompt_of = inverse.tolist()
+            shared_rows = int(counts[counts > 1].sum())
+            if shared_rows == 0:
                 no_sharing = "no two rows have the same prompt"
 
     # The layout is built on the host from a few numbers per row (small ops, no kernel launches), then moved.
@@ -161,7 +164,7 @@ def plan_packing(
     order = sorted(range(rows), key=lambda row: (first_row_of[prompt_of[row]], row))
     flat_index, positions, groups, segments, prompt_flags = [], [], [], [], []
     packed_of = torch.full((rows, columns), -1, dtype=torch.long)
-    cursor, group_id, segment_id, shared_rows = 0, -1, -1, 0
+    cursor, group_id, segment_id = 0, -1, -1
     query_lengths, key_spans = [], []  # per attention segment: its length, and the (start, length) spans of its keys
     prompt_span = None  # (packed start, length) of the current group's shared prompt
     previous = None
@@ -202,8 +205,6 @@ def plan_packing(
         cursor += length
     if cursor == 0:
         return None, "every row is empty", None
-    if sharing:  # rows whose prompt another row has too
-        shared_rows = sum(prompt_of.count(prompt) > 1 for prompt in prompt_of)
 
     total = cursor
     padded = -(-total // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
