@@ -43,6 +43,24 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# FASTGRPO_PROGRAMMATIC_LAUNCH=0 launches every kernel after the one before it has finished, the usual way
+# (for tools that do not follow programmatic dependent launches, and to time the difference).
+_PROGRAMMATIC_LAUNCH = os.environ.get("FASTGRPO_PROGRAMMATIC_LAUNCH", "1") != "0"
+
+
+def programmatic_launch(t: torch.Tensor) -> bool:
+    """Whether a kernel on `t` may launch as a programmatic dependent of the kernel before it (sm_90+):
+    its launch and the start of its programs overlap that kernel's end, and it waits (`gdc_wait`) for that
+    kernel's writes before reading them. CUDA only: the interpreter has no grid dependency control."""
+    return _PROGRAMMATIC_LAUNCH and t.is_cuda and _cuda_capability(
+        t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 @contextlib.contextmanager
 def cuda_launch_configs():
     """Inside `triton_on_cpu()`: launch with the configurations a GPU would get, so that a test can record

@@ -89,7 +89,10 @@ def _rms_norm_fwd_kernel(
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    if DEPENDENT_LAUNCH:
+        tl.extra.cuda.gdc_wait()  # launched as a programmatic dependent: the kernel before has finished
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -150,14 +153,22 @@ def _rms_norm_bwd_kernel(
     BLOCK_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PIPELINE_STAGES: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Each program walks row blocks pid, pid + P, pid + 2P, ... (P = number of programs) and,
     when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid].
+    DEPENDENT_LAUNCH (then NEED_DW is False, or the dW reduction follows as this kernel's programmatic
+    dependent): wait for the kernel before, and let the reduction's programs start now (they take their
+    place on the SMs and wait there for this kernel's partials).
 
     The next blocks' loads are in flight while a block computes, which keeps the few programs a
     dW reduction allows busy on memory. PIPELINE_STAGES = 0: the next block is prefetched into
     registers by hand; > 0: Triton's software pipelining keeps PIPELINE_STAGES - 1 blocks in
     flight, staged through shared memory (cp.async on sm_80+), so they cost no registers."""
+    if DEPENDENT_LAUNCH:
+        tl.extra.cuda.gdc_wait()
+        if NEED_DW:
+            tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_ROW
     cols = tl.arange(0, BLOCK_H)
@@ -231,8 +242,12 @@ def _dw_reduce_kernel(
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """dw[c] = sum over p of partial[p, c], in a fixed order (deterministic), rounded once."""
+    """dw[c] = sum over p of partial[p, c], in a fixed order (deterministic), rounded once.
+    DEPENDENT_LAUNCH: wait here until the backward has finished and its partials are visible."""
+    if DEPENDENT_LAUNCH:
+        tl.extra.cuda.gdc_wait()
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < H
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
@@ -335,6 +350,15 @@ def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Opti
     return max(1, min(n_row_blocks, programs_per_sm * _dispatch.multiprocessor_count(device)))
 
 
+def _dependent_launch(t: torch.Tensor) -> dict:
+    """Launch arguments making a kernel a programmatic dependent of the kernel before it where the device
+    has them (sm_90+): its launch and its programs' start overlap that kernel's end (and, after the
+    backward, the dW reduction's overlap the backward's last rows), and it waits for that kernel's writes
+    (`gdc_wait`) before its own first access to memory."""
+    dependent = _dispatch.programmatic_launch(t)
+    return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
+
+
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """Strides of the (up to) three leading dims, padded at the front with zeros."""
     strides = t.stride()[:-1]
@@ -403,6 +427,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
         EMULATE_BF16_RTNE=not x.is_cuda,
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
+        **_dependent_launch(x),
         num_warps=num_warps,
     )
     return y, s
@@ -442,6 +467,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
         PIPELINE_STAGES=stages,
+        **_dependent_launch(src),
         num_warps=num_warps,
     )
     if not weight_grad:
@@ -454,6 +480,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         EMULATE_BF16_RTNE=not src.is_cuda,
         BLOCK_P=block_p,
         BLOCK_C=block_c,
+        **_dependent_launch(src),
         num_warps=num_warps,
     )
     return dx, dw

@@ -144,8 +144,10 @@ def _rope_kernel(
     BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     COS_PER_HEAD: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, COS_HALF: tl.constexpr,
-    HAS_K: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    HAS_K: tl.constexpr, ONE_BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    if DEPENDENT_LAUNCH:
+        tl.extra.cuda.gdc_wait()  # launched as a programmatic dependent: the kernel before has finished
     # Each program owns BLOCK_S positions of one batch row and rotates every q and k head there,
     # so cos/sin for those positions are read from memory once.
     pid = tl.program_id(0)
@@ -256,6 +258,7 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
         block_s = min(_dispatch.next_power_of_2(seq_len), 64)
         num_warps = 4
     grid = (batch * _dispatch.cdiv(seq_len, block_s),)
+    dependent = _dispatch.programmatic_launch(q4)
     _rope_kernel[grid](
         q4, k4, qo4, ko4, cq4, sq4,
         seq_len, n_heads_q, n_heads_k, half, n_pass,
@@ -264,7 +267,9 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         COS_PER_HEAD=cq4.stride(1) != 0 or (has_k and ck4.stride(1) != 0),
         INTERLEAVED=interleaved, BACKWARD=backward, COS_HALF=cos_half, HAS_K=has_k,
-        ONE_BLOCK=has_k and n_heads_q <= block_hq and n_heads_k <= block_hk, num_warps=num_warps,
+        ONE_BLOCK=has_k and n_heads_q <= block_hq and n_heads_k <= block_hk,
+        # Its launch overlaps the end of the kernel before it (sm_90+); it waits for that kernel's writes.
+        DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, num_warps=num_warps,
     )
 
 
