@@ -90,17 +90,21 @@ def test_cuda_matches_float64_reference(heads, kv_heads, dim, mask_kind):
 
 @pytest.mark.gpu
 def test_cuda_equals_sdpa_on_cudnn():
-    """The op is the kernel SDPA runs: outputs and gradients equal SDPA's (cuDNN first) exactly."""
+    """The op is the kernel SDPA runs: output, dk and dv equal SDPA's on cuDNN exactly; dq within a bf16 rounding,
+    as cuDNN's backward does not give the same dq twice (H200, torch 2.11, 2026-12-01: SDPA against itself, 2-3
+    of its 921,600 elements differed by one bf16 step in each of 3 runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, grad, mask, _ = make_case(2, 12, 2, 300, 128, torch.bfloat16, "cuda", True, "bool")
     results = []
     for fn in (attention, F.scaled_dot_product_attention):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION], set_priority=True):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             out = fn(q, k, v, attn_mask=mask, enable_gqa=True)
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
-    for got, want in zip(*results):
+    (out, dq, dk, dv), (want_out, want_dq, want_dk, want_dv) = results
+    for got, want in ((out, want_out), (dk, want_dk), (dv, want_dv)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(dq, want_dq, rtol=2**-7, atol=2**-7 * want_dq.abs().max().item())
 
 
 class ListFrame(KeptOutputs):

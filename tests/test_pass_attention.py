@@ -184,3 +184,12 @@ def test_symbolic_dropout_is_taken_at_zero_and_guarded():
     record = _record()
     assert record["matched"] == 0 and "dropout_p=0.5" in record["near_misses"][0]["reason"]
     assert not torch.equal(*outputs)  # dropout is on
+
+
+def test_sdpa_priority_order_is_left_as_it_was():
+    """Putting cuDNN first for one call leaves the user's priority order as it was (torch 2.11's own
+    `sdpa_kernel(set_priority=True)` left cuDNN first for the rest of the process; 2.13's restores it)."""
+    before = torch._C._get_sdp_priority_order()
+    q = torch.randn(1, 2, 4, 8)
+    attention.sdpa_preferring_cudnn(q, q, q, is_causal=True)
+    assert torch._C._get_sdp_priority_order() == before

@@ -20,6 +20,8 @@ SDPA's CPU flash kernel). Outside a checkpoint it is SDPA's computation.
 
 Nothing else is recorded for graphs on the CPU: SDPA's own CPU kernel is what runs there.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -44,9 +46,23 @@ def _preferred_order() -> list[SDPBackend]:
     return [SDPBackend.CUDNN_ATTENTION] + [backend for backend, enabled in _FALLBACKS if enabled()]
 
 
+@contextlib.contextmanager
+def _cudnn_first():
+    """cuDNN's kernel first in SDPA's priority order, and the user's order back afterwards: on leaving,
+    `sdpa_kernel(..., set_priority=True)` sorts the backends by the order it set itself (torch 2.11 on the
+    H200, 2026-12-01: [1, 2, 0, 3, 4] became [3, 1, 2, 0, 4]), which would leave cuDNN first in the
+    user's process for good."""
+    previous = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel(_preferred_order(), set_priority=True):
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(previous)
+
+
 def sdpa_preferring_cudnn(*args, **kwargs):
     """`F.scaled_dot_product_attention` with cuDNN's kernel first in SDPA's priority order."""
-    with sdpa_kernel(_preferred_order(), set_priority=True):
+    with _cudnn_first():
         return F.scaled_dot_product_attention(*args, **kwargs)
 
 
@@ -111,7 +127,7 @@ def _why_not_cudnn(inputs: dict) -> str | None:
     probe = {name: _example(x) for name, x in inputs.items()}
     probe.update({name: _probe(probe[name], seq_dims) for name, seq_dims in _SEQ_DIMS.items()})
     try:
-        with sdpa_kernel(_preferred_order(), set_priority=True):
+        with _cudnn_first():
             choice = torch._fused_sdp_choice(**probe)
     except (RuntimeError, TypeError) as error:  # no kernel at all (SDPA says so itself when the graph runs), or
         # a torch whose private chooser reads other arguments: leave the site to SDPA either way
