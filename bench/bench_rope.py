@@ -152,6 +152,33 @@ def sweep(device):
         rope_module._cuda_config = saved
 
 
+def forward_rounds(providers, rounds, device):
+    """The forward's GPU time (CUDA graph) of every provider, `rounds` times in turn, so that the drift of
+    the device's speed within a call (a few us at these sizes) falls on every provider alike: medians and
+    spreads per provider, and the ratios of the medians."""
+    import statistics
+
+    import triton.testing
+
+    for name, (n_q, n_kv, head_dim) in SHAPES.items():
+        q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
+        times = {provider: [] for provider in providers}
+        for _ in range(rounds):
+            for provider, fn in providers.items():
+                def step(fn=fn):
+                    with torch.no_grad():
+                        return fn(q, k, cos, sin)
+                times[provider].append(triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3)
+        ours = statistics.median(times["fastgrpo_half"])
+        print(f"\n{name}, forward, CUDA-graph us, {rounds} rounds (median, min-max), ratio = provider / fastgrpo_half")
+        for provider, us in times.items():
+            cos_bytes = 2 * cos.numel() * cos.element_size() // (2 if provider in READS_HALF_COS else 1)
+            n_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + cos_bytes
+            median = statistics.median(us)
+            print(f"| {name} | {provider} | {median:.1f} ({min(us):.1f}-{max(us):.1f}) | "
+                  f"{100 * n_bytes / (median * 1e-6) / COPY_BANDWIDTH:.0f} % | {median / ours:.3f} |", flush=True)
+
+
 def dry_run():
     """CPU check of the harness pieces: inputs, reference and op agree on tiny shapes."""
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
@@ -167,6 +194,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations")
+    parser.add_argument("--rounds", type=int, default=0, metavar="N",
+                        help="only the forward's CUDA-graph time of each provider, N rounds taking turns; medians")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
@@ -180,6 +209,8 @@ def main():
     liger = liger_rope_fn()
     if liger is not None:
         providers["liger"] = liger
+    if args.rounds:
+        return forward_rounds(providers, args.rounds, device)
     rows = []
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
         q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
