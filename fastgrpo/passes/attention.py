@@ -48,10 +48,9 @@ def _preferred_order() -> list[SDPBackend]:
 
 @contextlib.contextmanager
 def _cudnn_first():
-    """cuDNN's kernel first in SDPA's priority order, and the user's order back afterwards: on leaving,
-    `sdpa_kernel(..., set_priority=True)` sorts the backends by the order it set itself (torch 2.11 on the
-    H200, 2026-12-01: [1, 2, 0, 3, 4] became [3, 1, 2, 0, 4]), which would leave cuDNN first in the
-    user's process for good."""
+    """cuDNN's kernel first in SDPA's priority order, and the user's order back afterwards: torch 2.11's
+    `sdpa_kernel(..., set_priority=True)` did not put it back on leaving (H200, 2026-12-01: [1, 2, 0, 3, 4]
+    became [3, 1, 2, 0, 4]), which left cuDNN first in the user's process for good."""
     previous = torch._C._get_sdp_priority_order()
     try:
         with sdpa_kernel(_preferred_order(), set_priority=True):
