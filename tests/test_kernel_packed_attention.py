@@ -192,3 +192,35 @@ def test_cuda_flash_matches_float64_reference(dtype, heads, kv_heads, dim):
     # Shared prompts: completions whose keys start with their prompt's (flash aligns the two at their ends).
     for window in (None, 1, 100):
         check_shared([(200, [1, 0, 150, 300]), (5, [70])], heads, kv_heads, dim, dtype, window, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_flash_op_keeps_its_outputs_for_the_re_run(monkeypatch):
+    """On CUDA the op is flash's kernel with flash's backward: output, dk and dv equal torch's own autograd through
+    `aten._flash_attention_forward` exactly, dq within a bf16 step (flash accumulates dq with atomics). Inside a
+    checkpointed call it keeps (output, log-sum-exp), and the re-run takes them back without running the kernel."""
+    from fastgrpo.kernels import packed_attention as packed_module
+    from fastgrpo.kernels._dispatch import keeping_outputs
+    from tests.test_kernel_attention import ListFrame
+
+    lengths = [1, 130, 7, 300, 64]
+    q, k, v, grad, cu = make_case(lengths, 12, 2, 128, torch.bfloat16, "cuda", True)
+    want = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max(lengths), max(lengths), 0.0, True, False)[0]
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    calls = []
+    kernel = packed_module._flash_forward
+    monkeypatch.setattr(packed_module, "_flash_forward", lambda *a: calls.append(1) or kernel(*a))
+    frame = ListFrame()
+    with keeping_outputs(frame):
+        first = packed_attention(q, k, v, cu, max(lengths))
+        first_grads = torch.autograd.grad(first, (q, k, v), grad)
+    frame.recording = False
+    with keeping_outputs(frame):
+        replayed = packed_attention(q, k, v, cu, max(lengths))
+        replayed_grads = torch.autograd.grad(replayed, (q, k, v), grad)
+    assert len(calls) == 1 and len(frame.kept) == 1
+    for got in ((first, *first_grads), (replayed, *replayed_grads)):
+        for i in (0, 2, 3):
+            torch.testing.assert_close(got[i], (want, *want_grads)[i], rtol=0, atol=0)
+        dq, want_dq = got[1], want_grads[0]
+        torch.testing.assert_close(dq, want_dq, rtol=2**-7, atol=2**-7 * want_dq.abs().max().item())

@@ -193,3 +193,24 @@ def test_sdpa_priority_order_is_left_as_it_was():
     q = torch.randn(1, 2, 4, 8)
     attention.sdpa_preferring_cudnn(q, q, q, is_causal=True)
     assert torch._C._get_sdp_priority_order() == before
+
+
+@pytest.mark.parametrize("keep", [None, False])
+def test_packed_rows_flash_attention_is_reported_and_follows_keep_attention_output(keep):
+    """Packed rows' flash attention (fastgrpo::flash_packed_attention, which the packing integration writes on CUDA)
+    is reported; it keeps its output for the checkpoint's re-run unless keep_attention_output=False clears its
+    `keep` argument. (Traced symbolically: the op's kernel runs on CUDA only.)"""
+    from fastgrpo.compiler.options import Options
+    from fastgrpo.passes._record import PatternRecord
+
+    def packed(q, k, v, cu):
+        return torch.ops.fastgrpo.flash_packed_attention.default(q, k, v, cu, cu, 8, 8, None, None, True)[0]
+
+    gm = torch.fx.symbolic_trace(packed)
+    record = PatternRecord("attention")
+    attention.apply(gm, record, Options.parse({"keep_attention_output": keep}))
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.fastgrpo.flash_packed_attention.default]
+    assert node.args[-1] is (keep is not False)
+    form = "output kept for a checkpoint's re-run" if keep is None else "output recomputed (keep_attention_output=False)"
+    assert record.sites == [{"site": record.sites[0]["site"], "form": f"flash variable-length (packed rows), {form}"}]
+    assert f"None, None, {keep is not False})" in gm.code  # the module was recompiled with it

@@ -14,8 +14,8 @@ host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
   input arrives; the last layer's input stays on the device (its backward comes first);
 - the recompute runs inside `_dispatch.checkpoint_recompute()`: ops whose output the compiler proved
   feeds no saved tensor (the gated-MLP op before the residual add) compute only what they save;
-- outputs an op keeps for the recompute (`_dispatch.kept_outputs()`: fastgrpo::attention's output and
-  log-sum-exp) wait in host memory like the layer's input, are prefetched with it, and the recompute gets them
+- outputs an op keeps for the recompute (`_dispatch.kept_or_computed`: the output and log-sum-exp of
+  fastgrpo::attention and of packed rows' fastgrpo::flash_packed_attention) wait in host memory like the layer's input, are prefetched with it, and the recompute gets them
   back instead of running attention again.
 
 Without CUDA the same code runs with synchronous copies into plain host buffers (CPU tests exercise

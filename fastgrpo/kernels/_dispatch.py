@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import threading
+from typing import Callable
 
 import torch
 
@@ -138,6 +139,20 @@ def keeping_outputs(frame: KeptOutputs | None):
 
 def kept_outputs() -> KeptOutputs | None:
     return getattr(_recompute, "frame", None)
+
+
+def kept_or_computed(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """An op's outputs inside a checkpointed call: in the checkpoint's re-run what its forward kept, if anything;
+    else `compute()`, kept while the forward records."""
+    frame = kept_outputs()
+    if frame is not None and not frame.recording:
+        kept = frame.replay()
+        if kept is not None:
+            return kept
+    outputs = compute()
+    if frame is not None and frame.recording:
+        frame.keep(outputs)
+    return outputs
 
 
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's

@@ -7,7 +7,7 @@ step's 8 x 16640 positions (Qwen2.5-1.5B heads) a layer's causal attention forwa
 cuDNN's kernel on an H200, paid a second time by every layer's re-run. `fastgrpo::attention` runs the kernel SDPA
 runs (cuDNN's fused attention on CUDA, SDPA's flash kernel for the CPU) and returns (output, log-sum-exp); its
 backward is that kernel's own backward from them. Inside a checkpointed call it keeps both in the forward
-(`_dispatch.kept_outputs()`, which the checkpoint moves to host memory beside the layer's input) and in the re-run
+(`_dispatch.kept_or_computed`, which the checkpoint moves to host memory beside the layer's input) and in the re-run
 returns them instead of running the kernel. Outside a checkpoint it is SDPA.
 
 Layout as SDPA's: q [batch, heads, seq, D], k and v [batch, kv_heads, seq_k, D] (heads a multiple of kv_heads:
@@ -16,7 +16,7 @@ seq_k]. No dropout: a re-run would have to replay its mask.
 """
 import torch
 
-from fastgrpo.kernels._dispatch import kept_outputs
+from fastgrpo.kernels._dispatch import kept_or_computed
 from fastgrpo.kernels.packed_attention import compute_dtype
 
 # What a boolean mask's hidden keys add to the scores on cuDNN: finite, as SDPA's own conversion for cuDNN
@@ -67,15 +67,7 @@ def _kernel_forward(query, key, value, mask, is_causal, scale):
 @torch.library.custom_op("fastgrpo::attention", mutates_args=())
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                   is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    frame = kept_outputs()
-    if frame is not None and not frame.recording:
-        kept = frame.replay()
-        if kept is not None:
-            return kept
-    out, lse = _kernel_forward(query, key, value, mask, is_causal, scale)
-    if frame is not None and frame.recording:
-        frame.keep((out, lse))
-    return out, lse
+    return kept_or_computed(lambda: _kernel_forward(query, key, value, mask, is_causal, scale))
 
 
 @_attention_op.register_fake

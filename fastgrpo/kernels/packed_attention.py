@@ -1,8 +1,10 @@
 """Causal attention over packed rows: one sequence of segments laid end to end, each attending only to itself.
 
 The packed GRPO forward (fastgrpo.integrations.packing) puts a batch's rows one after the other. Given the
-segments as cumulative lengths, CUDA runs flash attention's variable-length kernel, torch's own with its autograd
-(`aten._flash_attention_forward`, which inductor keeps as an extern kernel): on an H200 at the GRPO step's
+segments as cumulative lengths, CUDA runs flash attention's variable-length kernel, torch's own
+(`aten._flash_attention_forward` and its backward), as the op `fastgrpo::flash_packed_attention`, which keeps its
+output and log-sum-exp for a gradient checkpoint's re-run of the layer (as `fastgrpo::attention` does for padded
+batches: the re-run takes them back instead of running attention again): on an H200 at the GRPO step's
 spread batch (8 rows of 10-100 % of 4096 behind a 256-token prompt, Qwen2.5-1.5B heads) its forward + backward
 took 2.47 ms against 3.74 ms for flex_attention with the packed BlockMask, 1.51x (bench/bench_packed_attention.py,
 2026-11-30). The CPU path (and any tensor flash refuses) runs SDPA one segment at a time as the custom op
@@ -21,6 +23,8 @@ own (gathered by the caller), so one prompt serves every completion of the group
 """
 import torch
 import torch.nn.functional as F
+
+from fastgrpo.kernels._dispatch import kept_or_computed
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -69,14 +73,62 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     dtype = compute_dtype(query)
     query, key, value = (t.to(dtype) for t in (query, key, value))
     if flash_refusal(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1], window) is None:
-        # Flash's window counts the keys before the query it may see: transformers' window less one.
-        extent = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         if not same_keys and max_len_k is None:
             raise ValueError("packed_attention: cu_seqlens_k needs max_len_k, the longest key segment")
-        return torch.ops.aten._flash_attention_forward(
-            query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len if same_keys else max_len_k, 0.0, True,
-            False, scale=scale, **extent)[0]
+        return _flash_op(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len if same_keys else max_len_k,
+                         scale, window, True)[0]
     return _packed_attention_op(query, key, value, cu_seqlens, cu_seqlens_k, scale, window)
+
+
+def _flash_window(window: int | None) -> dict:
+    # Flash's window counts the keys before the query it may see: transformers' window less one.
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _flash_forward(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scale, window):
+    """(output, log-sum-exp) of flash's variable-length kernel."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, 0.0, True, False, scale=scale,
+        **_flash_window(window))[:2]
+    return out, lse
+
+
+@torch.library.custom_op("fastgrpo::flash_packed_attention", mutates_args=())
+def _flash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+              cu_seqlens_k: torch.Tensor, max_len: int, max_len_k: int, scale: float | None,
+              window: int | None, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash's kernel as an op returning (output, log-sum-exp), whose backward is flash's own. With `keep` (the
+    attention pass clears it under `keep_attention_output=False`), inside a checkpointed call the forward keeps both
+    and the checkpoint's re-run takes them back instead of running attention again (`_dispatch.kept_or_computed`,
+    as `fastgrpo::attention` does for padded batches)."""
+    def compute():
+        return _flash_forward(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scale, window)
+
+    return kept_or_computed(compute) if keep else compute()
+
+
+@_flash_op.register_fake
+def _(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scale, window, keep):
+    return _flash_forward(query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scale, window)
+
+
+def _flash_setup_context(ctx, inputs, output):
+    query, key, value, cu_seqlens, cu_seqlens_k, max_len, max_len_k, scale, window, _ = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens, cu_seqlens_k, *output)
+    ctx.max_len, ctx.max_len_k, ctx.scale, ctx.window = max_len, max_len_k, scale, window
+
+
+def _flash_backward(ctx, grad_out, grad_lse):
+    query, key, value, cu_seqlens, cu_seqlens_k, out, lse = ctx.saved_tensors
+    # No dropout: the kernel reads no random state (torch's own varlen_attn passes these placeholders too).
+    rng_state, unused = torch.zeros(2, dtype=torch.uint64, device=query.device), query.new_empty(0)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), query, key, value, out, lse, cu_seqlens, cu_seqlens_k, ctx.max_len, ctx.max_len_k,
+        0.0, True, rng_state, unused, scale=ctx.scale, **_flash_window(ctx.window))
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_flash_op.register_autograd(_flash_backward, setup_context=_flash_setup_context)
 
 
 def _hidden_keys(n_q: int, n_k: int, window: int | None, device) -> torch.Tensor:

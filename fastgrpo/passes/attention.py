@@ -160,10 +160,32 @@ def _why_not_kept(inputs: dict) -> str | None:
     return None
 
 
+_PACKED_FLASH = (torch.ops.fastgrpo.flash_packed_attention, torch.ops.fastgrpo.flash_packed_attention.default)
+_PACKED_FLASH_KEEP = 9  # the op's `keep` argument
+
+
+def _packed_flash_site(node: fx.Node, keep: bool | None, record: PatternRecord) -> bool:
+    """Packed rows' flash attention (fastgrpo.integrations.packing) keeps its output unless keep_attention_output is
+    False; whether rewritten."""
+    if keep is False:
+        if len(node.args) > _PACKED_FLASH_KEEP:
+            node.update_arg(_PACKED_FLASH_KEEP, False)
+        else:
+            node.update_kwarg("keep", False)
+        record.match(site_name(node), "flash variable-length (packed rows), output recomputed "
+                                      "(keep_attention_output=False)")
+        return True
+    record.match(site_name(node), "flash variable-length (packed rows), output kept for a checkpoint's re-run")
+    return False
+
+
 def apply(gm: fx.GraphModule, record: PatternRecord, options) -> None:
     keep = options.keep_attention_output
     rewritten = False
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _PACKED_FLASH:
+            rewritten |= _packed_flash_site(node, keep, record)
+            continue
         if not is_kind(node, "sdpa"):
             continue
         inputs = _sdpa_inputs(node)
