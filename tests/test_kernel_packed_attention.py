@@ -224,3 +224,22 @@ def test_cuda_flash_op_keeps_its_outputs_for_the_re_run(monkeypatch):
             torch.testing.assert_close(got[i], (want, *want_grads)[i], rtol=0, atol=0)
         dq, want_dq = got[1], want_grads[0]
         torch.testing.assert_close(dq, want_dq, rtol=2**-7, atol=2**-7 * want_dq.abs().max().item())
+
+
+def test_flash_op_traces_forward_and_backward_with_symbolic_sizes():
+    """The flash op's fake and its backward trace on any machine (the kernels run on CUDA only): forward the op
+    itself (opaque to the compiler, so that it can keep its outputs), backward flash's own backward."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, _, cu = make_case([5, 15], 4, 2, 32, torch.bfloat16, "cpu", False)
+
+    def step(q, k, v, cu):
+        out, lse = torch.ops.fastgrpo.flash_packed_attention(q, k, v, cu, cu, 15, 15, None, None, True)
+        return out, lse, torch.autograd.grad(out.float().sum(), (q, k, v))
+
+    gm = make_fx(step, tracing_mode="symbolic")(q, k, v, cu)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"fastgrpo.flash_packed_attention.default", "aten._flash_attention_backward.default"} <= targets
+    (op,) = [n for n in gm.graph.nodes if str(n.target) == "fastgrpo.flash_packed_attention.default"]
+    out, lse = op.meta["val"]
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
