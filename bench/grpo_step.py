@@ -39,6 +39,9 @@ fp32; autocast runs their matmuls in bf16). Systems (each in this process, one a
             integration does by default (since 2026-11-30's tenth session)
   fastgrpo_shared_flex  the same with flex_attention and the shared-prompt BlockMask (fastgrpo_shared before
             2026-11-30's tenth session)
+  fastgrpo_shared_recompute_attention  fastgrpo_shared with the recompute running attention again
+            (keep_attention_output=False): fastgrpo_shared before 2026-12-01's thirteenth session, whose packed
+            rows keep their attention output (fastgrpo::flash_packed_attention)
   fastgrpo_packed_save  fastgrpo_packed with the gated-MLP op keeping gate/up (as fastgrpo_save): more
             memory than the act_mul form when packed (7.96 vs 5.97 GiB, H200, prompt 1024, spread 4096)
   fastgrpo_packed_actmul  fastgrpo_packed with the act_mul form (as fastgrpo_actmul): the integration's
@@ -93,6 +96,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_packed_nojoin": None,
     "fastgrpo_packed_flex": None,
     "fastgrpo_shared_flex": None,
+    "fastgrpo_shared_recompute_attention": {"keep_attention_output": False},
 }
 # Variants that run every pattern but these (resolved against fastgrpo.passes.PASSES when the system is built, so a
 # pattern added later is not silently left out).
@@ -101,7 +105,7 @@ PATTERNS_LEFT_OUT = {"fastgrpo_flash": ("attention",), "fastgrpo_nomlp": ("gated
 # Packed variants: whether the group's prompt is shared.
 PACKED = {"fastgrpo_packed": False, "fastgrpo_shared": True, "fastgrpo_packed_save": False,
           "fastgrpo_packed_actmul": False, "fastgrpo_packed_nojoin": False, "fastgrpo_packed_flex": False,
-          "fastgrpo_shared_flex": True}
+          "fastgrpo_shared_flex": True, "fastgrpo_shared_recompute_attention": True}
 # Packed variants whose attention is forced (default "auto": rows as variable-length segments where layers allow).
 PACKED_ATTENTION = {"fastgrpo_packed_flex": "flex_attention", "fastgrpo_shared_flex": "flex_attention"}
 
