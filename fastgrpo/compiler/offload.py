@@ -15,8 +15,8 @@ host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
 - the recompute runs inside `_dispatch.checkpoint_recompute()`: ops whose output the compiler proved
   feeds no saved tensor (the gated-MLP op before the residual add) compute only what they save;
 - outputs an op keeps for the recompute (`_dispatch.kept_or_computed`: the output and log-sum-exp of
-  fastgrpo::attention and of packed rows' fastgrpo::flash_packed_attention) wait in host memory like the layer's input, are prefetched with it, and the recompute gets them
-  back instead of running attention again.
+  fastgrpo::attention and of packed rows' fastgrpo::flash_packed_attention) wait in host memory like the
+  layer's input, are prefetched with it, and the recompute gets them back instead of running attention again.
 
 Without CUDA the same code runs with synchronous copies into plain host buffers (CPU tests exercise
 it; on a CPU-only machine the "offload" saves nothing).

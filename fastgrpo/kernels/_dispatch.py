@@ -34,14 +34,18 @@ def launch_like_cuda(t: torch.Tensor) -> bool:
 def multiprocessor_count(device: torch.device) -> int:
     """SMs of a CUDA device; RECORDING_SMS inside `cuda_launch_configs()`; 1 for the interpreter."""
     if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_properties(device).multi_processor_count
     return RECORDING_SMS if _cuda_launch_configs else 1
 
 
+def _cuda_properties(device: torch.device):
+    return _cuda_properties_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    # Asked on every backward launch of several ops: read the device's properties once.
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties_of(index: int):
+    # Asked on every launch of several ops: read the device's properties once.
+    return torch.cuda.get_device_properties(index)
 
 
 # FASTGRPO_PROGRAMMATIC_LAUNCH=0 launches every kernel after the one before it has finished, the usual way
@@ -53,13 +57,7 @@ def programmatic_launch(t: torch.Tensor) -> bool:
     """Whether a kernel on `t` may launch as a programmatic dependent of the kernel before it (sm_90+):
     its launch and the start of its programs overlap that kernel's end, and it waits (`gdc_wait`) for that
     kernel's writes before reading them. CUDA only: the interpreter has no grid dependency control."""
-    return _PROGRAMMATIC_LAUNCH and t.is_cuda and _cuda_capability(
-        t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return _PROGRAMMATIC_LAUNCH and t.is_cuda and _cuda_properties(t.device).major >= 9
 
 
 @contextlib.contextmanager
@@ -119,7 +117,7 @@ class KeptOutputs:
     """Outputs an op keeps from a checkpointed forward for the checkpoint's re-run of it, in call order.
 
     The checkpoint (fastgrpo.compiler.offload) owns one per checkpointed call and decides where the kept tensors
-    wait (host memory, or the device); an op reads it through `kept_outputs()`. While `recording` (the forward) an
+    wait (host memory, or the device); an op goes through `kept_or_computed`. While `recording` (the forward) an
     op computes and calls `keep`; in the re-run (`recording` False) it asks `replay` for what it kept instead of
     computing it again, and computes only if nothing was kept (None)."""
 
@@ -133,18 +131,14 @@ class KeptOutputs:
 
 
 def keeping_outputs(frame: KeptOutputs | None):
-    """Makes `frame` the one `kept_outputs()` answers on this thread."""
+    """Makes `frame` the one `kept_or_computed` uses on this thread."""
     return _on_this_thread("frame", frame)
-
-
-def kept_outputs() -> KeptOutputs | None:
-    return getattr(_recompute, "frame", None)
 
 
 def kept_or_computed(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """An op's outputs inside a checkpointed call: in the checkpoint's re-run what its forward kept, if anything;
     else `compute()`, kept while the forward records."""
-    frame = kept_outputs()
+    frame = getattr(_recompute, "frame", None)
     if frame is not None and not frame.recording:
         kept = frame.replay()
         if kept is not None:

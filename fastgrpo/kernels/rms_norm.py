@@ -446,6 +446,8 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
     programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
+    # The backward lets the reduction start early only when the reduction is launched as its dependent.
+    dependent_launch = _dependent_launch(src)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](
         dy, *dy_st,
@@ -467,7 +469,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
         PIPELINE_STAGES=stages,
-        **_dependent_launch(src),
+        **dependent_launch,
         num_warps=num_warps,
     )
     if not weight_grad:
@@ -480,7 +482,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         EMULATE_BF16_RTNE=not src.is_cuda,
         BLOCK_P=block_p,
         BLOCK_C=block_c,
-        **_dependent_launch(src),
+        **dependent_launch,
         num_warps=num_warps,
     )
     return dx, dw

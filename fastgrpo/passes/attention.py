@@ -28,6 +28,7 @@ from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastgrpo.kernels import attention as attention_kernel
+from fastgrpo.kernels import packed_attention as _packed_attention_ops  # noqa: F401  (registers the flash op)
 from fastgrpo.passes._fx import arg, error_summary, is_kind, site_name, value
 from fastgrpo.passes._record import PatternRecord
 
