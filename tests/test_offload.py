@@ -436,7 +436,8 @@ def test_trainer_flag_matches_plain_checkpointing(tmp_path, device, keep_attenti
     the policy's layer inputs are in the host buffers between forward and backward. On CUDA: the backend's
     default inner compiler, fp32, side-stream copies into pinned buffers. With `keep_attention`, the recompute
     takes the layers' attention outputs back: on the CPU those of fastgrpo::attention (padded rows); on CUDA, in
-    bf16, those of fastgrpo::flash_packed_attention (packed rows on flash's variable-length kernel)."""
+    bf16, those of fastgrpo::flash_packed_attention (packed rows on flash's variable-length kernel), the graphs
+    run as traced (inner "eager"), so that both sides round alike in bf16."""
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -458,8 +459,10 @@ def test_trainer_flag_matches_plain_checkpointing(tmp_path, device, keep_attenti
         args = F.GRPOConfig(**common_args(
             # num_iterations=2: TRL runs a no-grad old-policy pass (toggling checkpointing off and on around it).
             tmp_path, num_iterations=2, beta=0.0, loss_type="dapo", bf16=packed_bf16, fastgrpo_mini_batch=3,
-            fastgrpo_compile_options={"inner": "eager", "keep_attention_output": keep_attention} if device == "cpu"
-            else None,
+            # Inductor would fuse one layer compiled alone otherwise than the whole decoder: in bf16 the two
+            # sides would then differ by their roundings, which would hide what the keep changes.
+            fastgrpo_compile_options={"inner": "eager", "keep_attention_output": keep_attention}
+            if device == "cpu" or packed_bf16 else None,
             # Packed rows on the CPU attend through SDPA a segment at a time, which keeps nothing.
             fastgrpo_packing=True if packed_bf16 else False if keep_attention else "auto",
             fastgrpo_offload_checkpointing=offload, use_cpu=device == "cpu"))
@@ -515,11 +518,17 @@ def test_trainer_flag_matches_plain_checkpointing(tmp_path, device, keep_attenti
             # input require grad even under no_grad, the others' not), one for the training forward and recompute.
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     (plain_loss, plain_grads), (loss, grads) = results
-    if packed_bf16:  # bf16: one layer compiled against the whole decoder rounds differently
+    if packed_bf16:
+        # Nearly the same ops in the same order: the whole decoder fuses a layer's last residual add into the next
+        # layer's norm (whose backward then rounds the two gradients' sum once, not twice), and flash's backward
+        # sums dq with atomics in an order that changes from run to run. Both move gradients by bf16 steps; a kept
+        # output of another layer or call would move them by their own size. (With inductor on both sides the
+        # layer compiled alone and the decoder fuse differently, and the worst gradient fell to 0.981.)
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-5)
         assert grads.keys() == plain_grads.keys() and len(grads) == 2 * 7 * layers
-        torch.testing.assert_close(loss, plain_loss, rtol=2e-2, atol=2e-3)
         for name, grad in grads.items():
-            assert torch.cosine_similarity(grad.flatten().float(), plain_grads[name].flatten().float(), 0) > 0.99, name
+            similarity = torch.cosine_similarity(grad.flatten().float(), plain_grads[name].flatten().float(), 0)
+            assert grad.abs().max() > 0 and similarity > 0.995, (name, similarity)
         return
     # CPU: the same ops in the same order. CUDA: inductor compiles one layer instead of the whole decoder.
     rtol = 1e-5 if device == "cpu" else 1e-4
