@@ -400,12 +400,19 @@ def is_copy(kernel_name: str) -> bool:
     return re.search(KERNEL_CATEGORIES[0][1], kernel_name.lower()) is not None
 
 
+def on_device(event) -> bool:
+    """A kernel or copy on the GPU's timeline. Left out: the ranges that annotate it (`## Call CompiledFxGraph
+    ... ##` spans a whole compiled graph, the gaps inside it too, which would count as busy)."""
+    return (event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            and not event.name.startswith("## "))
+
+
 def kernel_summary(prof) -> str:
     """Device time of one profiled step by kernel category, and the GPU's busy time (union of its compute
     kernels' intervals, copies left out) against the step's wall time: how host-bound the step is."""
     totals, intervals = {}, []
     for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+        if not on_device(event):
             continue
         name = event.name.lower()
         category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name))
@@ -424,18 +431,19 @@ def kernel_summary(prof) -> str:
     return "\n".join(lines)
 
 
-def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
+def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2, with_host: bool = True) -> str:
     """Where the GPU waits inside the step (no compute kernel running): every gap between kernels, the gaps
     of at least `min_ms` grouped by the kernel that ends them (count, ms, forward or backward), and the longest
     ones with the kernels either side and the innermost host events covering most of the gap (what the host
-    was doing while the GPU waited: a synchronisation, an allocation, an op's Python before its launch)."""
+    was doing while the GPU waited: a synchronisation, an allocation, an op's Python before its launch).
+    `with_host` False: a profile of the device's activity alone, with no host events to say the phase."""
     kernels, host = [], []
     for event in prof.events():
         interval = (event.time_range.start, event.time_range.end, event.name)
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if on_device(event):
             if not is_copy(event.name):
                 kernels.append(interval)
-        else:
+        elif event.device_type != torch.autograd.DeviceType.CUDA:
             host.append(interval)
     kernels.sort()
     gaps, end, last, all_gaps = [], float("-inf"), "", 0.0
@@ -453,7 +461,8 @@ def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
     during = {(start, stop): covering(start, stop) for _, start, stop, _, _ in gaps}
     groups = {}
     for length, start, stop, _, after in gaps:
-        phase = "backward" if any(n.startswith("autograd::engine") for n in during[start, stop]) else "forward"
+        phase = ("-" if not with_host  # a profile of the device alone
+                 else "backward" if any(n.startswith("autograd::engine") for n in during[start, stop]) else "forward")
         count, total = groups.get((after[:60], phase), (0, 0.0))
         groups[(after[:60], phase)] = (count + 1, total + length)
     lines = [f"GPU idle between kernels: {all_gaps / 1e3:.1f} ms in all; {len(gaps)} gaps >= {min_ms} ms, "
@@ -466,6 +475,43 @@ def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2) -> str:
     for length, start, stop, before, after in sorted(gaps, reverse=True)[:rows]:
         host_events = "; ".join(dict.fromkeys(during[start, stop][:4]))
         lines.append(f"| {length / 1e3:.2f} | {before[:50]} | {after[:50]} | {host_events[:160]} |")
+    return "\n".join(lines)
+
+
+def gap_causes(prof, rows: int = 12, min_ms: float = 0.05) -> str:
+    """Why the GPU waited before a kernel: each gap of at least `min_ms` split at the moment the host launched the
+    kernel after it (the launch call linked to the kernel by its correlation id). Up to that moment the host was
+    late (its Python, dispatch or launch work had not reached the kernel yet); after it, the kernel was queued
+    and waited on the device: on a stream's wait for an event (a copy back, another stream's work), or the
+    launch's own latency."""
+    launches, kernels = {}, []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == torch.autograd.DeviceType.CUDA:
+            if not event.is_user_annotation() and not is_copy(event.name()):
+                kernels.append((event.start_ns(), event.end_ns(), event.name(), event.linked_correlation_id()))
+        elif event.name().startswith(("cudaLaunch", "cuLaunch")):
+            launches[event.correlation_id()] = event.start_ns()
+    kernels.sort()
+    host_ns = device_ns = unlinked_ns = 0
+    groups, end = {}, None
+    for start, stop, name, link in kernels:
+        if end is not None and start - end >= min_ms * 1e6:
+            gap, launched = start - end, launches.get(link)
+            late = None if launched is None else min(max(launched - end, 0), gap)
+            if late is None:
+                unlinked_ns += gap
+            else:
+                host_ns, device_ns = host_ns + late, device_ns + gap - late
+            count, total, host_part = groups.get(name[:60], (0, 0, 0))
+            groups[name[:60]] = (count + 1, total + gap, host_part + (late or 0))
+        if end is None or stop > end:
+            end = stop
+    lines = [f"gaps >= {min_ms} ms: {(host_ns + device_ns + unlinked_ns) / 1e6:.1f} ms; the host late for "
+             f"{host_ns / 1e6:.1f} ms of it, the kernel queued and waiting for {device_ns / 1e6:.1f} ms"
+             + (f", launch not found for {unlinked_ns / 1e6:.1f} ms" if unlinked_ns else ""),
+             "| kernel after | gaps | ms | host late ms |", "|---|---|---|---|"]
+    lines += [f"| {name} | {count} | {total / 1e6:.1f} | {host_part / 1e6:.1f} |"
+              for name, (count, total, host_part) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:rows]]
     return "\n".join(lines)
 
 
@@ -520,11 +566,24 @@ def profile_step(step, args, label: str, rows: int = 40, model=None) -> None:
           + matmul_shapes(prof) + "\n"
           + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
     if torch.cuda.is_available():
+        profile_device(step, args, label)
         print(sync_points(step, args), flush=True)
         if model is not None:
             print(host_lead(step, args, model), flush=True)
     print(f"HOST PROFILE {label} (cProfile of one more step: where the host's time goes)\n" + host_profile(step, args),
           flush=True)
+
+
+def profile_device(step, args, label: str) -> None:
+    """One step with only the device's activity recorded: the profile of `profile_step` records every host call
+    and its shapes, which slows the host enough for the GPU to wait on it; here the host runs at its own speed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(*args)
+        torch.cuda.synchronize()
+    print(f"DEVICE PROFILE {label} (the device's activity alone)\n" + kernel_summary(prof) + "\n"
+          + idle_gaps(prof, min_ms=0.05, with_host=False) + "\n" + gap_causes(prof), flush=True)
 
 
 def host_profile(step, args, rows: int = 45) -> str:
@@ -562,7 +621,7 @@ def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
 
 def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool,
         profile_at: tuple[int, ...] = (), prompt: int = PROMPT, spread: bool = False,
-        gc_freeze: bool = True, ab: str | None = None) -> list[dict]:
+        gc_freeze: bool = True, ab: str | None = None, device_profile_only: bool = False) -> list[dict]:
     results = []
     try:
         model = build_policy(system, prompt + max(completions) + 8, tiny)
@@ -601,15 +660,21 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 if frozen:  # a later system in this process, a peer maybe, starts with its collector as it was
                     gc.unfreeze()
             result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full, gc_frozen=frozen)
-            if completion in profile_at:
-                profile_step(step, (ids, mask, adv), f"{system} completion={completion}", model=model)
-                model.zero_grad(set_to_none=True)
             median = statistics.median(times)
             result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
                           host_ms_median=round(statistics.median(host_times), 1),
                           tokens_per_s=round(tokens / median * 1e3))
             if device.type == "cuda":
                 result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if completion in profile_at:
+                label = f"{system} completion={completion}"
+                try:  # a diagnostic that fails must not take the row's numbers with it
+                    if device_profile_only and device.type == "cuda":
+                        profile_device(step, (ids, mask, adv), label)
+                    else:
+                        profile_step(step, (ids, mask, adv), label, model=model)
+                except Exception as err:
+                    print(f"PROFILE {label} failed: {type(err).__name__}: {err}", flush=True)
         except torch.OutOfMemoryError:
             result["error"] = "OOM"
         except Exception as err:  # a failing system must not hide the others' numbers
@@ -686,6 +751,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile-at", default="",
                         help="profile one step of each system at these completion lengths (comma list)")
+    parser.add_argument("--device-profile-only", action="store_true",
+                        help="with --profile-at on CUDA: only the profile of the device's activity (kernel time, "
+                             "idle gaps and whether the host or the device made each one wait), not the host's")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="leave Python's collector as it is (by default the fastgrpo systems call gc.freeze() after "
                              "warm-up, as the trainer does after its first step)")
@@ -711,7 +779,7 @@ def main() -> int:
     for prompt in [int(p) for p in args.prompt.split(",")]:
         for system in args.systems.split(","):
             rows = run(system, completions, args.warmup, args.repeat, args.tiny, profile_at, prompt,
-                       args.spread, not args.no_gc_freeze, args.ab)
+                       args.spread, not args.no_gc_freeze, args.ab, args.device_profile_only)
             for row in rows if args.mlp_chunk_mib else ():
                 row["system"] += f"_chunk{args.mlp_chunk_mib}"
             results += rows
