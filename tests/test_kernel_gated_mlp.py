@@ -522,11 +522,12 @@ def test_gated_mlp_temporaries_bounded_by_chunk(path):
 
 
 class _InPlaceAdds(TorchDispatchMode):
-    """Shapes of the tensors that in-place adds (addmm_, add_) write into."""
+    """Shapes of the tensors that in-place adds (addmm_, add_) write into, and of the operands of products (mm)."""
 
     def __init__(self):
         super().__init__()
         self.shapes = []
+        self.products = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -535,6 +536,8 @@ class _InPlaceAdds(TorchDispatchMode):
                 return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
         if func in (torch.ops.aten.addmm_.default, torch.ops.aten.add_.Tensor):
             self.shapes.append(tuple(args[0].shape))
+        if func == torch.ops.aten.mm.default:
+            self.products.append((tuple(args[0].shape), tuple(args[1].shape)))
         return func(*args, **kwargs)
 
 
@@ -542,7 +545,9 @@ class _InPlaceAdds(TorchDispatchMode):
 def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
     """GPU path (here the Triton interpreter's), adapters in x's dtype (as autocast runs them): g and u with
     their LoRA terms come from one GEMM over [x | s xa], and the backward's dh from one over [dy | dxa], so
-    nothing adds a rank-r product into a [rows, I] buffer afterwards (a read and a write of it); dx and
+    nothing adds a rank-r product into a [rows, I] buffer afterwards (a read and a write of it); the down
+    projection's output and its LoRA input h @ A^T come from one GEMM of h, so no skinny product reads h in
+    the forward; dx and
     dL/d(xa) come from one GEMM of [dg | du], so nothing adds into a chunk's dx in place either (with the
     projections recomputed or saved); results as the separate products give them. fp32 adapters on a bf16
     base, a decode step's few rows and the CPU torch path keep the separate products."""
@@ -573,11 +578,16 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         for save_projections in (False, True):
             chunk = 6  # rows: no accumulator has this shape ([A_g; A_u] is [8, hidden])
-            with path_ctx("triton"), rows_per_chunk(chunk), _InPlaceAdds() as adds:
+            with path_ctx("triton"), rows_per_chunk(chunk), _InPlaceAdds() as forward:
                 y = gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, 0.5, "silu", w_down, da, db, 2.0, save_projections)
+            with path_ctx("triton"), rows_per_chunk(chunk), _InPlaceAdds() as backward:
                 grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
-            assert ((chunk, inter) not in adds.shapes) == joined, adds.shapes  # a chunk's g, u or dh
-            assert ((chunk, hidden) not in adds.shapes) == joined, adds.shapes  # a chunk's dx
+            adds = forward.shapes + backward.shapes
+            assert ((chunk, inter) not in adds) == joined, adds  # a chunk's g, u or dh
+            assert ((chunk, hidden) not in adds) == joined, adds  # a chunk's dx
+            skinny_on_h = ((chunk, inter), (inter, rank))
+            assert (skinny_on_h not in forward.products) == joined, forward.products
+            assert ((chunk, inter), (inter, out_width + rank)) in forward.products or not joined
             for got, want in zip((y, *grads), (ref, *ref_grads)):
                 assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 

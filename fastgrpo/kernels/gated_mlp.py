@@ -498,9 +498,18 @@ def _saved_projections(x, w_gate, save_projections):
     return torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
-def _down_forward(h_rows, w_down, down, out_rows):
+def _down_forward(h_rows, w_down, down, out_rows, joined_down=None):
     """out_rows = h @ w_down^T [+ PEFT LoRA (h in the adapters' dtype) @ A^T @ B^T * scale], rounded once
-    to out's dtype as PEFT's `(base + lora * scale).to(dtype)` does."""
+    to out's dtype as PEFT's `(base + lora * scale).to(dtype)` does. With the joined [W_down; A_down]
+    (_joined_down_weight), h @ W^T and the LoRA input h @ A^T come from one GEMM: h ([rows, I], the chunk's
+    largest operand) is read once, not a second time by a skinny product."""
+    if joined_down is not None:
+        _, db, scale = down
+        width = out_rows.shape[1]
+        base_and_xa = torch.mm(h_rows, joined_down.t())
+        out_rows.copy_(base_and_xa[:, :width])  # out is the op's contiguous output, the GEMM's is wider
+        _add_lora_(out_rows, (base_and_xa[:, width:], db), scale)
+        return
     torch.mm(h_rows, w_down.t(), out=out_rows)
     if down is not None:
         da, db, scale = down
@@ -528,15 +537,15 @@ def _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, gu_r
     return g, u, gu_rows, lora
 
 
-def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, activation, w_down, down, out_rows,
-                  gu_rows):
+def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, activation, w_down, down, joined_down,
+                  out_rows, gu_rows):
     # One chunk, in a function of its own so that its buffers are freed before the next
     # chunk's are allocated.
     g, u, _, _ = _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, gu_rows)
     h_rows = out_rows if w_down is None else torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
     _act_mul_fwd(g, u, h_rows, activation)
     if w_down is not None:
-        _down_forward(h_rows, w_down, down, out_rows)
+        _down_forward(h_rows, w_down, down, out_rows, joined_down)
 
 
 def _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale):
@@ -570,12 +579,13 @@ def _gated_mlp_op(
     a = _lora_a(factors)
     joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0])
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
+    joined_down = None if skip_output else _joined_down_weight(w_down, down, x2d.shape[0])
     for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
         if skip_output:
             _projections_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, gu[start:end])
         else:
             _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, activation, w_down, down,
-                          out2d[start:end], gu[start:end] if save_projections else None)
+                          joined_down, out2d[start:end], gu[start:end] if save_projections else None)
     return out, gu
 
 
@@ -665,9 +675,10 @@ def _gated_mlp_backward_op(
 
 
 def _joined_down_weight(w_down, down, rows):
-    """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None: dh of a chunk
-    then comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
-    write of the chunk's [rows, I] dh; same conditions as _joined_weight)."""
+    """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None (same
+    conditions as _joined_weight). Forward: h times it gives the base output and the LoRA input at once
+    (_down_forward). Backward: dh of a chunk comes from one GEMM of [dy | dxa] with it, instead of adding
+    dxa @ A into dh afterwards (a read and a write of the chunk's [rows, I] dh)."""
     if down is None or not _joins(w_down, down[0], rows, w_down.shape[0]):
         return None
     return torch.cat((w_down, down[0]))
