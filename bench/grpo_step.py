@@ -480,7 +480,8 @@ def idle_gaps(prof, rows: int = 15, min_ms: float = 0.2, with_host: bool = True)
 
 def gap_causes(prof, rows: int = 12, min_ms: float = 0.05) -> str:
     """Why the GPU waited before a kernel: each gap of at least `min_ms` split at the moment the host launched the
-    kernel after it (the launch call linked to the kernel by its correlation id). Up to that moment the host was
+    kernel after it (the launch call that shares the kernel's CUPTI correlation id, or failing that, its linked
+    one). Up to that moment the host was
     late (its Python, dispatch or launch work had not reached the kernel yet); after it, the kernel was queued
     and waited on the device: on a stream's wait for an event (a copy back, another stream's work), or the
     launch's own latency."""
@@ -488,15 +489,16 @@ def gap_causes(prof, rows: int = 12, min_ms: float = 0.05) -> str:
     for event in prof.profiler.kineto_results.events():
         if event.device_type() == torch.autograd.DeviceType.CUDA:
             if not event.is_user_annotation() and not is_copy(event.name()):
-                kernels.append((event.start_ns(), event.end_ns(), event.name(), event.linked_correlation_id()))
+                ids = (event.correlation_id(), event.linked_correlation_id())
+                kernels.append((event.start_ns(), event.end_ns(), event.name(), ids))
         elif event.name().startswith(("cudaLaunch", "cuLaunch")):
             launches[event.correlation_id()] = event.start_ns()
     kernels.sort()
     host_ns = device_ns = unlinked_ns = 0
     groups, end = {}, None
-    for start, stop, name, link in kernels:
+    for start, stop, name, ids in kernels:
         if end is not None and start - end >= min_ms * 1e6:
-            gap, launched = start - end, launches.get(link)
+            gap, launched = start - end, next((launches[i] for i in ids if i in launches), None)
             late = None if launched is None else min(max(launched - end, 0), gap)
             if late is None:
                 unlinked_ns += gap

@@ -32,16 +32,16 @@ def _profile(events):
 def test_each_gap_is_split_at_the_launch_of_the_kernel_after_it():
     events = [
         _KinetoEvent("## Call CompiledFxGraph abc ##", CUDA, 0, 10 * MS, annotation=True),  # spans everything
-        _KinetoEvent("gemm_a", CUDA, 0, 1 * MS, linked=1),
+        _KinetoEvent("gemm_a", CUDA, 0, 1 * MS, correlation=1),
         _KinetoEvent("cudaLaunchKernel", CPU, 0, MS // 100, correlation=1),
         # launched long before: queued, it waited 2 ms on the device (a stream waiting for a copy back)
         _KinetoEvent("cuLaunchKernelEx", CPU, MS // 2, MS // 2 + 10, correlation=2),
         _KinetoEvent("Memcpy HtoD (Pinned -> Device)", CUDA, 1 * MS, 3 * MS),  # copies run beside: no kernel
-        _KinetoEvent("rope_kernel", CUDA, 3 * MS, 3 * MS + MS // 2, linked=2),
+        _KinetoEvent("rope_kernel", CUDA, 3 * MS, 3 * MS + MS // 2, correlation=2),
         # launched 0.5 ms into a 0.7 ms gap: the host was late for 0.5 ms of it
         _KinetoEvent("cudaLaunchKernel", CPU, 4 * MS, 4 * MS + 10, correlation=3),
-        _KinetoEvent("cat_kernel", CUDA, 4 * MS + MS // 5, 5 * MS, linked=3),
-        _KinetoEvent("tiny_kernel", CUDA, 5 * MS + 10_000, 6 * MS, linked=4),  # a 10 us gap: under the threshold
+        _KinetoEvent("cat_kernel", CUDA, 4 * MS + MS // 5, 5 * MS, correlation=9, linked=3),  # by the link
+        _KinetoEvent("tiny_kernel", CUDA, 5 * MS + 10_000, 6 * MS, correlation=4),  # a 10 us gap: under the threshold
     ]
     text = gap_causes(_profile(events), min_ms=0.05)
     first, _, _, *rows = text.splitlines()
@@ -50,7 +50,7 @@ def test_each_gap_is_split_at_the_launch_of_the_kernel_after_it():
 
 
 def test_a_gap_whose_launch_was_not_recorded_is_counted_apart():
-    events = [_KinetoEvent("a", CUDA, 0, MS, linked=1), _KinetoEvent("b", CUDA, 2 * MS, 3 * MS, linked=7)]
+    events = [_KinetoEvent("a", CUDA, 0, MS, correlation=1), _KinetoEvent("b", CUDA, 2 * MS, 3 * MS, correlation=7)]
     assert gap_causes(_profile(events)).splitlines()[0].endswith("launch not found for 1.0 ms")
 
 
