@@ -60,6 +60,14 @@ def programmatic_launch(t: torch.Tensor) -> bool:
     return _PROGRAMMATIC_LAUNCH and t.is_cuda and _cuda_properties(t.device).major >= 9
 
 
+def dependent_launch_args(t: torch.Tensor) -> dict:
+    """Launch arguments of a kernel written for programmatic dependent launch (its `DEPENDENT_LAUNCH`
+    constexpr guards the `gdc_wait` before its first access to memory): launched as a dependent of the
+    kernel before it where `programmatic_launch(t)`, in the usual way elsewhere."""
+    dependent = programmatic_launch(t)
+    return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
+
+
 @contextlib.contextmanager
 def cuda_launch_configs():
     """Inside `triton_on_cpu()`: launch with the configurations a GPU would get, so that a test can record

@@ -350,15 +350,6 @@ def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Opti
     return max(1, min(n_row_blocks, programs_per_sm * _dispatch.multiprocessor_count(device)))
 
 
-def _dependent_launch(t: torch.Tensor) -> dict:
-    """Launch arguments making a kernel a programmatic dependent of the kernel before it where the device
-    has them (sm_90+): its launch and its programs' start overlap that kernel's end (and, after the
-    backward, the dW reduction's overlap the backward's last rows), and it waits for that kernel's writes
-    (`gdc_wait`) before its own first access to memory."""
-    dependent = _dispatch.programmatic_launch(t)
-    return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
-
-
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """Strides of the (up to) three leading dims, padded at the front with zeros."""
     strides = t.stride()[:-1]
@@ -427,7 +418,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
         EMULATE_BF16_RTNE=not x.is_cuda,
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
-        **_dependent_launch(x),
+        **_dispatch.dependent_launch_args(x),
         num_warps=num_warps,
     )
     return y, s
@@ -446,8 +437,9 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
     programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
-    # The backward lets the reduction start early only when the reduction is launched as its dependent.
-    dependent_launch = _dependent_launch(src)
+    # The backward lets the reduction start early only when the reduction is launched as its dependent (and the
+    # dW reduction's programs then overlap the backward's last rows).
+    dependent_launch = _dispatch.dependent_launch_args(src)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
     _rms_norm_bwd_kernel[(programs,)](
         dy, *dy_st,

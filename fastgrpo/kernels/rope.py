@@ -258,7 +258,6 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
         block_s = min(_dispatch.next_power_of_2(seq_len), 64)
         num_warps = 4
     grid = (batch * _dispatch.cdiv(seq_len, block_s),)
-    dependent = _dispatch.programmatic_launch(q4)
     _rope_kernel[grid](
         q4, k4, qo4, ko4, cq4, sq4,
         seq_len, n_heads_q, n_heads_k, half, n_pass,
@@ -269,7 +268,7 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
         INTERLEAVED=interleaved, BACKWARD=backward, COS_HALF=cos_half, HAS_K=has_k,
         ONE_BLOCK=has_k and n_heads_q <= block_hq and n_heads_k <= block_hk,
         # Its launch overlaps the end of the kernel before it (sm_90+); it waits for that kernel's writes.
-        DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, num_warps=num_warps,
+        **_dispatch.dependent_launch_args(q4), num_warps=num_warps,
     )
 
 
