@@ -24,6 +24,27 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or _triton_on_cpu
 
 
+def traced() -> bool:
+    """Whether the body of a `torch.library.triton_op` runs for a tracer (fake tensors, AOTAutograd's functional
+    ones) rather than on real tensors. torch runs the body eagerly with `wrap_triton` off; under a trace with it
+    on, each launch is recorded as a node that inductor then launches itself, so that none of our Python (checks,
+    launch configurations, Triton's JIT launcher) runs per call in a compiled training graph. (AOTAutograd
+    decomposes a triton_op there; a no-grad graph keeps calling the op, whose body then runs eagerly: torch 2.11.)"""
+    return torch._library.triton.is_wrap_triton_enabled()
+
+
+def launches_triton(t: torch.Tensor) -> bool:
+    """`use_triton` for a triton_op's body: Triton's interpreter cannot run on a tracer's CPU tensors, so a traced
+    CPU call takes the torch path (same contract and outputs)."""
+    return t.is_cuda or (_triton_on_cpu and not traced())
+
+
+def launcher(kernel):
+    """A Triton kernel as a triton_op's body launches it (`launcher(kernel)[grid](...)`): through `wrap_triton`, so
+    that a trace records the launch; called eagerly, the kernel itself."""
+    return torch.library.wrap_triton(kernel)
+
+
 def launch_like_cuda(t: torch.Tensor) -> bool:
     """Whether a kernel launch on `t` takes the configuration made for GPUs (block sizes, warps, grid
     sizing, TF32 dot precision) rather than the interpreter's: on CUDA tensors, and on CPU tensors inside
@@ -63,8 +84,10 @@ def programmatic_launch(t: torch.Tensor) -> bool:
 def dependent_launch_args(t: torch.Tensor) -> dict:
     """Launch arguments of a kernel written for programmatic dependent launch (its `DEPENDENT_LAUNCH`
     constexpr guards the `gdc_wait` before its first access to memory): launched as a dependent of the
-    kernel before it where `programmatic_launch(t)`, in the usual way elsewhere."""
-    dependent = programmatic_launch(t)
+    kernel before it where `programmatic_launch(t)`, in the usual way elsewhere. Traced launches (`traced`) take
+    the usual way: inductor's analysis of which arguments a kernel writes cannot read `gdc_wait` (inline assembly),
+    and would take every pointer as written, copying the inputs."""
+    dependent = programmatic_launch(t) and not traced()
     return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
 
 

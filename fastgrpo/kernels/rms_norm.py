@@ -25,7 +25,10 @@ The add variant returns one gradient for x and residual (the same tensor when th
 match), as d(x + residual) / dx = d(x + residual) / dresidual = 1.
 
 CUDA tensors run the Triton kernels; CPU tensors run the torch implementation below (or the
-Triton kernels through the interpreter inside `_dispatch.triton_on_cpu()`).
+Triton kernels through the interpreter inside `_dispatch.triton_on_cpu()`). The ops are triton_ops:
+in a compiled training graph inductor launches the kernels itself (`_dispatch.traced`), where a custom
+op's call cost ~0.1-0.6 ms of host time each (H200 hosts, 2026-12-01) in a step that is host-bound
+at short completions.
 """
 from typing import Optional
 
@@ -70,6 +73,13 @@ def _cast(x, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
 
 
 @triton.jit
+def _fp32_scalars(eps, offset):
+    """eps and offset as fp32: launched from a compiled graph (see _dispatch.traced), Python floats arrive as fp64
+    scalars, which would carry the row's maths into fp64."""
+    return tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, x_s0, x_s1, x_s2,
     res_ptr, res_s0, res_s1, res_s2,
@@ -93,6 +103,7 @@ def _rms_norm_fwd_kernel(
 ):
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()  # launched as a programmatic dependent: the kernel before has finished
+    eps, offset = _fp32_scalars(eps, offset)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -169,6 +180,7 @@ def _rms_norm_bwd_kernel(
         tl.extra.cuda.gdc_wait()
         if NEED_DW:
             tl.extra.cuda.gdc_launch_dependents()
+    eps, offset = _fp32_scalars(eps, offset)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_ROW
     cols = tl.arange(0, BLOCK_H)
@@ -329,11 +341,13 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     return block_row, min(32, max(4, block_row * block_h // 1024)), (8 if block_h >= 8192 else 4), 0
 
 
-def _dw_reduce_config(programs: int) -> tuple[int, int, int]:
+def _dw_reduce_config(most_programs: int) -> tuple[int, int, int]:
     """(partials per load, columns per program, num_warps) of the dW reduction: one pass over the
     partials per column block (a loop of loads would serialise on latency), so up to 2048 partials a
-    load: the H200's 8 programs per SM x 132 SMs are 1056, one more than a 1024 block."""
-    block_p = min(2048, _dispatch.next_power_of_2(programs))
+    load: the H200's 8 programs per SM x 132 SMs are 1056, one more than a 1024 block. Sized for the
+    most partials the device's backward writes (fewer are masked): a compiled graph holds their number
+    as a symbol of the row count."""
+    block_p = min(2048, _dispatch.next_power_of_2(most_programs))
     # 8 columns a program: at H = 576, 72 programs read the 1056 partials (8 per SM x 132) instead of 36;
     # H200, 2026-11-30: backward with dW 33.4 against 34.6 us (16 columns, 512 partials a load); H = 1536
     # unchanged (78.7-79.0 us over the configurations tried). One pass over 2048 (16 warps) against two over
@@ -342,12 +356,14 @@ def _dw_reduce_config(programs: int) -> tuple[int, int, int]:
     return block_p, 8, max(1, min(16, block_p // 64))
 
 
-def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: Optional[int]) -> int:
-    """Programs of a backward launch. With dW these are persistent programs whose number is
-    fixed per device, so the fp32 partial sums (hence dW) are bit-reproducible."""
+def _bwd_programs(device: torch.device, n_row_blocks, programs_per_sm: Optional[int]):
+    """(programs of a backward launch, the most it can have on this device). With dW these are persistent
+    programs whose number is fixed per device, so the fp32 partial sums (hence dW) are bit-reproducible.
+    torch.sym_min: in a compiled graph the row count is a symbol, and a plain min would specialise on it."""
     if programs_per_sm is None:
-        return n_row_blocks
-    return max(1, min(n_row_blocks, programs_per_sm * _dispatch.multiprocessor_count(device)))
+        return n_row_blocks, n_row_blocks
+    most = programs_per_sm * _dispatch.multiprocessor_count(device)
+    return torch.sym_max(1, torch.sym_min(n_row_blocks, most)), most
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -399,7 +415,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
     prod_dtype = torch.promote_types(src_dtype, weight.dtype) if weight is not None else src_dtype
     block_row, num_warps = _fwd_config(H, _dispatch.launch_like_cuda(x))
     grid = (_dispatch.cdiv(n_rows, block_row),)
-    _rms_norm_fwd_kernel[grid](
+    _dispatch.launcher(_rms_norm_fwd_kernel)[grid](
         x_, *x_st,
         res_ if res_ is not None else x_, *res_st,
         weight if weight is not None else x_,
@@ -436,12 +452,12 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         weight = weight.contiguous()
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
-    programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
+    programs, most_programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
     # The backward lets the reduction start early only when the reduction is launched as its dependent (and the
     # dW reduction's programs then overlap the backward's last rows).
     dependent_launch = _dispatch.dependent_launch_args(src)
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=src.device) if weight_grad else None
-    _rms_norm_bwd_kernel[(programs,)](
+    _dispatch.launcher(_rms_norm_bwd_kernel)[(programs,)](
         dy, *dy_st,
         dsum if dsum is not None else dy, *dsum_st,
         src_, *src_st,
@@ -467,8 +483,8 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     if not weight_grad:
         return dx, src.new_empty(0)
     dw = torch.empty_like(weight)
-    block_p, block_c, num_warps = _dw_reduce_config(programs)
-    _dw_reduce_kernel[(_dispatch.cdiv(H, block_c),)](
+    block_p, block_c, num_warps = _dw_reduce_config(most_programs)
+    _dispatch.launcher(_dw_reduce_kernel)[(_dispatch.cdiv(H, block_c),)](
         dw_partial, dw, programs, H,
         DW_DTYPE=_TL_DTYPES[weight.dtype],
         EMULATE_BF16_RTNE=not src.is_cuda,
@@ -549,62 +565,34 @@ def _check_inputs(op, x, residual, weight):
             raise ValueError(f"fastgrpo::{op}: weight shape {tuple(weight.shape)} != ({H},)")
 
 
-@torch.library.custom_op(
-    "fastgrpo::rms_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor? weight, float eps, float offset, bool weight_in_fp32, ScalarType out_dtype) -> Tensor",
-)
-def _rms_norm_op(x, weight, eps, offset, weight_in_fp32, out_dtype):
+# triton_ops: a compiled graph launches the kernels itself (see _dispatch.traced); eagerly the body runs as written.
+@torch.library.triton_op("fastgrpo::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, weight_in_fp32: bool,
+                 out_dtype: torch.dtype) -> torch.Tensor:
     _check_inputs("rms_norm", x, None, weight)
-    impl = _forward_triton if _dispatch.use_triton(x) else _forward_torch
+    impl = _forward_triton if _dispatch.launches_triton(x) else _forward_torch
     return impl(x, None, weight, eps, offset, weight_in_fp32, out_dtype)[0]
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps, offset, weight_in_fp32, out_dtype):
-    _check_inputs("rms_norm", x, None, weight)
-    return x.new_empty(x.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op(
-    "fastgrpo::add_rms_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, bool weight_in_fp32, "
-    "ScalarType out_dtype) -> (Tensor sum, Tensor normed)",
-)
-def _add_rms_norm_op(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
+@torch.library.triton_op("fastgrpo::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,
+                     weight_in_fp32: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, normed)."""
     _check_inputs("add_rms_norm", x, residual, weight)
-    impl = _forward_triton if _dispatch.use_triton(x) else _forward_torch
+    impl = _forward_triton if _dispatch.launches_triton(x) else _forward_torch
     y, s = impl(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
     return s, y
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset, weight_in_fp32, out_dtype):
-    _check_inputs("add_rms_norm", x, residual, weight)
-    s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
-    return s, x.new_empty(x.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op(
-    "fastgrpo::rms_norm_backward",
-    mutates_args=(),
-    schema="(Tensor grad_normed, Tensor? grad_sum, Tensor input, Tensor? weight, float eps, float offset, "
-    "bool weight_in_fp32, bool input_grad, bool weight_grad) -> (Tensor grad_input, Tensor grad_weight)",
-)
-def _rms_norm_backward_op(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
+@torch.library.triton_op("fastgrpo::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(grad_normed: torch.Tensor, grad_sum: Optional[torch.Tensor], input: torch.Tensor,
+                          weight: Optional[torch.Tensor], eps: float, offset: float, weight_in_fp32: bool,
+                          input_grad: bool, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of rms_norm / add_rms_norm. `input` is what the forward normalised (x, or the
     sum); grad_input is d(input) in input's dtype (empty when input_grad is False), grad_weight
     is dW in weight's dtype (empty when weight_grad is False or there is no weight)."""
-    impl = _backward_triton if _dispatch.use_triton(input) else _backward_torch
+    impl = _backward_triton if _dispatch.launches_triton(input) else _backward_torch
     return impl(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad)
-
-
-@_rms_norm_backward_op.register_fake
-def _(grad_normed, grad_sum, input, weight, eps, offset, weight_in_fp32, input_grad, weight_grad):
-    dx = input.new_empty(input.shape) if input_grad else input.new_empty(0)
-    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else input.new_empty(0)
-    return dx, dw
 
 
 def _rms_norm_setup_context(ctx, inputs, output):

@@ -19,6 +19,8 @@ Maths in fp32; outputs are contiguous, of dtype promote(x, cos, sin) as torch wo
 Backward applies the transposed rotation (for half-rotation dx = dy*cos + cat(v2, -v1) with
 v = dy*sin), so it needs cos and sin only: no copy of q or k is kept. cos and sin get no
 gradient; they come from position ids, and an input cos/sin that requires grad is refused.
+The ops are triton_ops: in a compiled training graph inductor launches the kernel itself (see
+`_dispatch.traced` and rms_norm.py).
 """
 import torch
 import triton
@@ -216,24 +218,26 @@ def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
             cx, sx = cx.contiguous(), sx.contiguous()
         views.append((_as_4d(x), _as_4d(out), cx, sx))
     if len(views) == 2:
-        (q4, _, cq4, sq4), (k4, _, ck4, sk4) = views
-        if (k4.shape[0], k4.shape[2]) != (q4.shape[0], q4.shape[2]) or (ck4.data_ptr(), sk4.data_ptr()) != (
-                cq4.data_ptr(), sq4.data_ptr()):
+        (q4, _, _, _), (k4, _, _, _) = views
+        # One launch reads k's cos/sin through q's pointers: they must be views of the same memory, which they are
+        # unless merging more than 4 leading dims copied them.
+        if (k4.shape[0], k4.shape[2]) != (q4.shape[0], q4.shape[2]) or any(x.dim() > 4 for x, _ in x_pairs):
             for view in views:
                 _launch_views([view], rotary_dim, interleaved, backward, cos_half)
             return
     _launch_views(views, rotary_dim, interleaved, backward, cos_half)
 
 
-def _cuda_config(n_heads_q: int, n_heads_k: int, seq_len: int, block_half: int) -> tuple[int, int, int, int]:
+def _cuda_config(n_heads_q: int, n_heads_k: int, block_half: int) -> tuple[int, int, int, int]:
     """(q heads, k heads, positions per program, num_warps). Measured on an H200
     (bench/bench_rope.py --sweep): one position and all heads per program keeps the most bytes in
     flight (more positions per program only for few heads), with the fewest warps that hold the
     program's q and k tiles at up to ~80 elements a thread: 1 warp at Qwen2.5-1.5B's 12 + 2 heads
-    (62.5 us against 64.8 with 2 warps, 94 % of copy bandwidth), 2 at Llama-8B's 32 + 8."""
+    (62.5 us against 64.8 with 2 warps, 94 % of copy bandwidth), 2 at Llama-8B's 32 + 8. Not a function
+    of the sequence length, which a compiled graph holds as a symbol (masks cover short sequences)."""
     block_hq = min(_dispatch.next_power_of_2(n_heads_q), 32)
     block_hk = min(_dispatch.next_power_of_2(max(n_heads_k, 1)), 32)
-    block_s = max(1, min(_dispatch.next_power_of_2(seq_len), 2048 // (block_hq * 2 * block_half)))
+    block_s = max(1, 2048 // (block_hq * 2 * block_half))
     elements = (block_hq + block_hk) * 2 * block_half * block_s
     return block_hq, block_hk, block_s, min(8, _dispatch.next_power_of_2(_dispatch.cdiv(elements, 2560)))
 
@@ -249,7 +253,7 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
     block_half = _dispatch.next_power_of_2(half)
     block_pass = _dispatch.next_power_of_2(n_pass) if n_pass > 0 else 0
     if _dispatch.launch_like_cuda(q4):
-        block_hq, block_hk, block_s, num_warps = _cuda_config(n_heads_q, n_heads_k, seq_len, block_half)
+        block_hq, block_hk, block_s, num_warps = _cuda_config(n_heads_q, n_heads_k, block_half)
     else:
         # Triton interpreter: few, large programs (interpretation cost is per program).
         # Head blocks capped at 4 so that tests with more heads also run the kernel's loop over blocks.
@@ -258,7 +262,7 @@ def _launch_views(views, rotary_dim, interleaved, backward, cos_half):
         block_s = min(_dispatch.next_power_of_2(seq_len), 64)
         num_warps = 4
     grid = (batch * _dispatch.cdiv(seq_len, block_s),)
-    _rope_kernel[grid](
+    _dispatch.launcher(_rope_kernel)[grid](
         q4, k4, qo4, ko4, cq4, sq4,
         seq_len, n_heads_q, n_heads_k, half, n_pass,
         *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *cq4.stride(), *ck4.stride(),
@@ -327,13 +331,14 @@ def _out_dtype(x, cos, sin):
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-@torch.library.custom_op("fastgrpo::rope", mutates_args=())
+# triton_ops: a compiled graph launches the kernel itself (see _dispatch.traced); eagerly the body runs as written.
+@torch.library.triton_op("fastgrpo::rope", mutates_args=())
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, cos, sin, rotary_dim, interleaved)
     q_dtype, k_dtype = _out_dtype(q, cos, sin), _out_dtype(k, cos, sin)
-    if not _dispatch.use_triton(q):
+    if not _dispatch.launches_triton(q):
         return (
             _rope_torch(q, cos, sin, rotary_dim, interleaved, False, q_dtype),
             _rope_torch(k, cos, sin, rotary_dim, interleaved, False, k_dtype),
@@ -343,18 +348,12 @@ def _rope_op(
     return q_out, k_out
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, rotary_dim, interleaved):
-    _check(q, k, cos, sin, rotary_dim, interleaved)
-    return _empty_out(q, _out_dtype(q, cos, sin)), _empty_out(k, _out_dtype(k, cos, sin))
-
-
-@torch.library.custom_op("fastgrpo::rope_backward", mutates_args=())
+@torch.library.triton_op("fastgrpo::rope_backward", mutates_args=())
 def _rope_backward_op(
     dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rotary_dim: int, interleaved: bool, q_dtype: torch.dtype, k_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _dispatch.use_triton(dq_out):
+    if not _dispatch.launches_triton(dq_out):
         return (
             _rope_torch(dq_out, cos, sin, rotary_dim, interleaved, True, q_dtype),
             _rope_torch(dk_out, cos, sin, rotary_dim, interleaved, True, k_dtype),
@@ -362,11 +361,6 @@ def _rope_backward_op(
     dq, dk = _empty_out(dq_out, q_dtype), _empty_out(dk_out, k_dtype)
     _launch([(dq_out, dq), (dk_out, dk)], cos, sin, rotary_dim, interleaved, backward=True)
     return dq, dk
-
-
-@_rope_backward_op.register_fake
-def _(dq_out, dk_out, cos, sin, rotary_dim, interleaved, q_dtype, k_dtype):
-    return _empty_out(dq_out, q_dtype), _empty_out(dk_out, k_dtype)
 
 
 def _setup_context(ctx, inputs, output):
