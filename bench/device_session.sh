@@ -102,6 +102,8 @@ run_step() {
     mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
     rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
     rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
+    # Host time of one call of the RMSNorm and RoPE ops, eager and in a compiled training block (triton_ops).
+    op_host) step op_host 90 "$OURS" python3 bench/bench_op_host.py ;;
     # SDPA's kernels (flash, cuDNN, memory-efficient) on the step's attention shapes: what the attention pattern picks.
     attention_bench) step attention_bench 120 "$OURS" python3 bench/bench_attention.py ;;
     # The lm-head log-prob op against TRL, inductor and Liger (LOGPROB_IMPLS), and its tile configurations.
