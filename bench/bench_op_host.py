@@ -30,12 +30,15 @@ def _copy_kernel(x_ptr, n, BLOCK: tl.constexpr):
 def block(x, residual, w, q_rows, k_rows, cos, sin):
     """A decoder layer's uses of the ops (tests/test_compiled_launch.py compiles it too): the residual add + norm,
     RoPE on HF's transposed q/k views (half-width cos/sin, as the rope pass passes them), and a plain norm with a
-    weight whose gradient is wanted."""
+    weight whose gradient is wanted. q and k leave as rows again, as attention's output does: their gradients then
+    arrive laid out like the rotated q/k, whose memory is [B, S, H, D] like the inputs' (a compiled graph's
+    incoming gradients are contiguous)."""
     s, normed = add_rms_norm(x, residual, w)
     batch, seq = q_rows.shape[:2]
     q = q_rows.view(batch, seq, HEADS_Q, HEAD_DIM).transpose(1, 2)
     k = k_rows.view(batch, seq, HEADS_K, HEAD_DIM).transpose(1, 2)
     q_out, k_out = rope(q, k, cos, sin, HEAD_DIM)
+    q_out, k_out = (t.transpose(1, 2).reshape(rows.shape) for t, rows in ((q_out, q_rows), (k_out, k_rows)))
     return s, rms_norm(normed, w), q_out, k_out
 
 

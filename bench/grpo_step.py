@@ -355,9 +355,13 @@ def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
         for label, current in (("changed", changed), ("as is", original)) * 2:
             setattr(module, attr, current)
             timed_steps(step, args, model, 1)
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             times = timed_steps(step, args, model, repeat)
+            peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else ""
             lines.append(f"AB {target} = {current!r} ({label}): median {statistics.median(times):.1f} ms, "
-                         f"{[round(t, 1) for t in times]}")
+                         f"{[round(t, 1) for t in times]}{peak}")
     finally:
         setattr(module, attr, original)
     return "\n".join(lines)

@@ -59,10 +59,24 @@ def by_site(events: list[dict], depth: int) -> list[tuple[str, int, int]]:
     """(site, bytes, blocks) of the allocations, grouped by their frames, largest first."""
     groups = defaultdict(lambda: [0, 0])
     for event in events:
-        group = groups[_frame_key(event.get("frames", []), depth)]
+        frames = event.get("frames")
+        group = groups[_frame_key(frames, depth) if frames else f"(no stack) {event['size'] / 2**20:.1f} MiB blocks"]
         group[0] += event["size"]
         group[1] += 1
     return sorted(((site, size, n) for site, (size, n) in groups.items()), key=lambda row: -row[1])
+
+
+def recorded_step(step, args, model, stacks: bool) -> dict:
+    """One step with the allocator's history recorded (with the allocating Python frames if `stacks`)."""
+    if stacks:
+        torch.cuda.memory._record_memory_history(context="all", stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(context=None)
+    try:
+        grpo_step.timed_steps(step, args, model, 1)
+        return torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, depth: int) -> None:
@@ -74,10 +88,17 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(context="all", stacks="python")
-    grpo_step.timed_steps(step, (ids, mask, adv), model, 1)
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    try:
+        snapshot = recorded_step(step, (ids, mask, adv), model, stacks=True)
+    except SystemError as err:
+        # torch 2.11 on the H200 (2026-11-30): recording Python stacks made the compiled layer's autograd function
+        # return NULL. Without stacks the blocks are grouped by size, which still names the [rows, width] tensors.
+        print(f"MEMORY {system}: recording Python stacks failed ({err}); recording sizes only", flush=True)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        snapshot = recorded_step(step, (ids, mask, adv), model, stacks=False)
     trace = snapshot["device_traces"][device.index or 0]
     peak, alive = live_at_peak(trace)
     print(f"MEMORY {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} tokens): "

@@ -249,6 +249,17 @@ def test_gated_mlp_triton_path(c):
     check_mlp(c, "triton")
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_h_written_over_the_chunks_buffers(path, dtype):
+    """The op writes h over g in forward and over dh in backward (each element read before it is written):
+    with every gradient wanted, in fp32 too, where `.float()` hands the torch path the very tensor it writes."""
+    c = dict(seed=3, rows=40, hidden=24, inter=20, rank=3, dtype=dtype, fp32_adapters=dtype == torch.float32,
+             lora="both", fused=False, x_transposed=False, x_3d=True, x_grad=True, train_base=True, scale=2.0,
+             activation="silu", rows_per_chunk=16, down="lora", save_projections=False)
+    check_mlp(c, path)
+
+
 def check_act_mul(gate, up, activation, path):
     gate = gate.detach().requires_grad_()
     up = up.detach().requires_grad_()
@@ -600,6 +611,19 @@ def test_rows_per_chunk_sizing():
         assert n % 128 == 0 and n >= 1024
         assert n == 1024 or n * 2 * inter * dtype.itemsize <= 256 * 2**20 < (n + 128) * 2 * inter * dtype.itemsize
     assert gated_mlp_module.rows_per_chunk(8960, torch.bfloat16) == 7424
+
+
+@pytest.mark.parametrize("rows", [1, 7424, 7425, 10240, 34816, 133120])
+def test_chunks_are_as_few_and_as_even_as_the_cap_allows(rows):
+    """Rows split into ceil(rows / cap) chunks of one size (whole multiples of 128 rows, the last shorter): the
+    largest chunk, which sets the working set, is no larger than an even split needs (10240 rows: 2 x 5120)."""
+    cap = gated_mlp_module.rows_per_chunk(8960, torch.bfloat16)
+    chunks = gated_mlp_module._row_chunks(rows, 8960, torch.bfloat16)
+    sizes = [end - start for start, end in chunks]
+    assert chunks[0][0] == 0 and chunks[-1][1] == rows and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert len(chunks) == -(-rows // cap)
+    assert all(size == sizes[0] for size in sizes[:-1]) and sizes[-1] <= sizes[0] <= cap
+    assert len(chunks) == 1 or (sizes[0] % 128 == 0 and sizes[0] < -(-rows // len(chunks)) + 128)
 
 
 @pytest.mark.parametrize("with_down", [False, True])

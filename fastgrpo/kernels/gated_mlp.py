@@ -99,8 +99,9 @@ def _act_mul_bwd_kernel(
     dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, n_rows, n_cols, dh_s0, g_s0, u_s0, dg_s0, du_s0, h_s0,
     ACT: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # dg/du may overwrite g/u: each element is read before it is written by the same program. WRITE_H: also
-    # store h = act(g) * u, which the down projection's gradients read (a second pass would read g and u again).
+    # dg/du may overwrite g/u and h may overwrite dh: each element is read before it is written, by the same
+    # thread (loads and stores share one layout). WRITE_H: also store h = act(g) * u, which the down
+    # projection's gradients read (a second pass would read g and u again).
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < n_rows)[:, None] & (offs_n < n_cols)[None, :]
@@ -144,7 +145,7 @@ def _act_mul_fwd_triton(g, u, h, act):
 
 
 def _act_mul_bwd_triton(dh, g, u, dg, du, act, h=None):
-    """Writes dg, du (may alias g, u) and, unless None, h = act(g) * u."""
+    """Writes dg, du (may alias g, u) and, unless None, h = act(g) * u (may alias dh)."""
     if g.shape[0] == 0:
         return
     block_m, block_n, num_warps = _act_mul_blocks(g)
@@ -169,12 +170,12 @@ def _act_mul_fwd_torch(g, u, h, act):
 
 def _act_mul_bwd_torch(dh, g, u, dg, du, act, h=None):
     a, da = _act_fp32(g.float(), act)
-    dh = dh.float()
+    dh = dh.float()  # fp32 inputs stay the same tensor: what may be overwritten is read first
     u = u.float()
-    dg_value = dh * u * da  # formed before du (or dg) may overwrite u (or g)
+    dg_value, du_value = dh * u * da, dh * a  # formed before du, dg or h may overwrite u, g or dh
     if h is not None:
         h.copy_(a * u)
-    du.copy_(dh * a)
+    du.copy_(du_value)
     dg.copy_(dg_value)
 
 
@@ -394,9 +395,10 @@ def _lora_inputs(x_rows, factors, a):
 # chunk (full size are only the op's output and incoming gradient - h and dh when the op stops
 # before the down projection - and the saved projections). A chunk's largest temporary is its
 # [rows, 2I] projection buffer in x's dtype (g and u; dg and du overwrite it in backward, or take
-# a buffer of their own when g and u are saved ones; with the down projection, h and dh of the
-# chunk, [rows, I] each, come beside it); _CHUNK_BYTES caps that buffer, which keeps the working set fixed as contexts
-# grow (bf16: 7424 rows at I = 8960, 4608 at I = 14336). The other per-chunk temporaries are
+# a buffer of their own when g and u are saved ones; with the down projection h is written over g in
+# forward, and in backward dh, [rows, I], comes beside it and h is written over dh); _CHUNK_BYTES caps that
+# buffer, which keeps the working set fixed as contexts grow (bf16: at most 7424 rows at I = 8960, 4608 at
+# I = 14336; _row_chunks splits the rows evenly into as few chunks as that allows). The other per-chunk temporaries are
 # [rows, H] (x cast to the adapters' dtype; x joined with its LoRA inputs, [rows, H + r]) or [rows, r],
 # smaller still, beside a weight-sized one per call (the joined weights of _joined_weight) - except with fp32 adapters
 # on a bf16/fp16 base outside autocast, where one projection's LoRA term (forward) or gradient
@@ -419,7 +421,14 @@ def rows_per_chunk(inter: int, dtype: torch.dtype) -> int:
 
 
 def _row_chunks(n_rows, inter, dtype):
-    step = rows_per_chunk(inter, dtype)
+    """(start, end) of each chunk: as few chunks as rows_per_chunk() allows, of equal size up to the last
+    (whole multiples of 128 rows): 10240 rows are two chunks of 5120, not 7424 and 2816, whose working set
+    would be the larger one's."""
+    step = most = rows_per_chunk(inter, dtype)
+    if ROWS_PER_CHUNK is None and n_rows > most:
+        chunks = -(-n_rows // most)
+        per_chunk = -(-n_rows // chunks)
+        step = min(most, -(-per_chunk // 128) * 128)
     return [(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
 
@@ -542,7 +551,12 @@ def _forward_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, activati
     # One chunk, in a function of its own so that its buffers are freed before the next
     # chunk's are allocated.
     g, u, _, _ = _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale, joined, gu_rows)
-    h_rows = out_rows if w_down is None else torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
+    if w_down is None:
+        h_rows = out_rows
+    elif gu_rows is None:  # h over g (read before written, element by element): the chunk needs no third [rows, I]
+        h_rows = g
+    else:  # g and u are the saved projections
+        h_rows = torch.empty(g.shape, dtype=x_rows.dtype, device=x_rows.device)
     _act_mul_fwd(g, u, h_rows, activation)
     if w_down is not None:
         _down_forward(h_rows, w_down, down, out_rows, joined_down)
@@ -738,7 +752,7 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
     if w_down is not None:
         dh_rows, down_lora = _down_backward(d_out_rows, w_down, down, joined_down)
         if {"w_down", "down_a", "down_b"} & set(acc):
-            h = torch.empty(g.shape, dtype=d_out_rows.dtype, device=d_out_rows.device)
+            h = dh_rows  # written over dh (a buffer of this chunk's, read first): no fourth [rows, I]
     else:
         dh_rows = _rows_unit_stride(d_out_rows, inter)
     _act_mul_bwd(dh_rows, g, u, dg, du, activation, h)  # also forms h, for the down projection's gradients
