@@ -202,11 +202,13 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
                 raise RuntimeError(f"{system}: the batch was not packed ({sorted(packer.said)})")
             hidden = base.get_decoder()(**call.kwargs).last_hidden_state[0, call.plan.source]
             logps = call.plan.scatter(selective_logprob(hidden, head, call.plan.targets))[:, prompt - 1:]
+            del hidden  # as a trainer's compute_loss returns the loss before backward: only autograd holds it then
             grpo_loss(logps, mask, adv).backward()
     elif system in ("eager", "inductor"):
         def step(ids, mask, adv):
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=completion + 1).logits[:, :-1]
             logps = selective_log_softmax_bf16(logits, ids[:, -completion:])
+            del logits  # TRL's log-prob function returns before backward (until 2026-12-01 this step held them)
             grpo_loss(logps, mask, adv).backward()
     elif system == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -216,13 +218,16 @@ def make_step(system: str, model, completion: int, prompt: int = PROMPT):
         def step(ids, mask, adv):
             hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, -completion - 1:-1]
             out = loss_fn(hidden, head, ids[:, -completion:], mask, adv)
+            del hidden  # as a trainer's compute_loss returns the loss before backward: only autograd holds it then
             (out[0] if isinstance(out, tuple) else out).backward()
     elif system in FASTGRPO_OPTIONS:
         from fastgrpo.kernels.selective_logprob import selective_logprob
 
         def step(ids, mask, adv):
             hidden = base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, -completion - 1:-1]
-            grpo_loss(selective_logprob(hidden, head, ids[:, -completion:]), mask, adv).backward()
+            loss = grpo_loss(selective_logprob(hidden, head, ids[:, -completion:]), mask, adv)
+            del hidden  # as a trainer's compute_loss returns the loss before backward: only autograd holds it then
+            loss.backward()
     else:
         raise ValueError(f"unknown system {system!r}")
     return step
@@ -627,7 +632,7 @@ def make_batch(vocab: int, prompt: int, completion: int, spread: bool, device):
 
 def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: bool,
         profile_at: tuple[int, ...] = (), prompt: int = PROMPT, spread: bool = False,
-        gc_freeze: bool = True, ab: str | None = None, device_profile_only: bool = False) -> list[dict]:
+        gc_freeze: bool = True, ab: list[str] = (), device_profile_only: bool = False) -> list[dict]:
     results = []
     try:
         model = build_policy(system, prompt + max(completions) + 8, tiny)
@@ -660,8 +665,10 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 with GcPauses() as pauses:
                     host_times = []
                     times = timed_steps(step, (ids, mask, adv), model, repeat, host_times=host_times)
-                if ab:
-                    print(ab_blocks(step, (ids, mask, adv), model, repeat, ab), flush=True)
+                for setting in ab:
+                    setting, _, lengths = setting.partition("@")
+                    if not lengths or completion in {int(c) for c in lengths.split(",")}:
+                        print(ab_blocks(step, (ids, mask, adv), model, repeat, setting), flush=True)
             finally:
                 if frozen:  # a later system in this process, a peer maybe, starts with its collector as it was
                     gc.unfreeze()
@@ -766,9 +773,10 @@ def main() -> int:
     parser.add_argument("--mlp-chunk-mib", type=int,
                         help="bytes of the gated-MLP op's per-chunk projection buffer (default 256 MiB); the systems' "
                              "names get a _chunk<MiB> suffix")
-    parser.add_argument("--ab", metavar="MODULE.ATTR=VALUE",
-                        help="after each timed row, A/B a setting in the same process (ab_blocks), e.g. "
-                             "fastgrpo.kernels.gated_mlp._JOIN_MIN_ROWS_PER_HIDDEN=1000000000")
+    parser.add_argument("--ab", metavar="MODULE.ATTR=VALUE", action="append", default=[],
+                        help="after each timed row, A/B a setting in the same process (ab_blocks; repeat the flag for "
+                             "several, each against the tree as it is; a suffix @1024,4096 limits it to those "
+                             "completion lengths), e.g. fastgrpo.kernels.gated_mlp._JOIN_MIN_ROWS_PER_HIDDEN=1000000000")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()

@@ -10,6 +10,7 @@ shared-prompt step peaks higher than the packed one although its sequence is sho
     python bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save --spread --prompt 1024
 """
 import argparse
+import bisect
 import os
 import sys
 from collections import defaultdict
@@ -47,12 +48,26 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
         if current > peak:
             peak, peak_index = current, index
     alive = {}
-    for event in trace[: peak_index + 1]:
+    for index, event in enumerate(trace[: peak_index + 1]):
         if event["action"] == "alloc":
-            alive[event["addr"]] = event
+            alive[event["addr"]] = dict(event, index=index)
         elif event["action"] == "free_completed":
             alive.pop(event["addr"], None)
     return peak, list(alive.values())
+
+
+def timeline(trace: list[dict], alive: list[dict], min_mib: float = 1.0, context: int = 4) -> str:
+    """The blocks of at least `min_mib` alive at the peak, in the order they were allocated, each with the sizes of the
+    `context` allocations of at least that size before it: without Python stacks, what was made around a block
+    tells which tensor it is (a [rows, 2I] chunk buffer follows the layer's [tokens, H] recompute, ...)."""
+    big = [(i, e["size"]) for i, e in enumerate(trace) if e["action"] == "alloc" and e["size"] >= min_mib * 2**20]
+    order = [i for i, _ in big]
+    lines = ["| trace index | MiB | allocations before it (MiB) |", "|---|---|---|"]
+    for block in sorted((b for b in alive if b["size"] >= min_mib * 2**20), key=lambda b: b["index"]):
+        at = bisect.bisect_left(order, block["index"])
+        before = ", ".join(f"{size / 2**20:.1f}" for _, size in big[max(0, at - context):at])
+        lines.append(f"| {block['index']} | {block['size'] / 2**20:.1f} | {before} |")
+    return "\n".join(lines)
 
 
 def by_site(events: list[dict], depth: int) -> list[tuple[str, int, int]]:
@@ -66,16 +81,27 @@ def by_site(events: list[dict], depth: int) -> list[tuple[str, int, int]]:
     return sorted(((site, size, n) for site, (size, n) in groups.items()), key=lambda row: -row[1])
 
 
-def recorded_step(step, args, model, stacks: bool) -> dict:
-    """One step with the allocator's history recorded (with the allocating Python frames if `stacks`)."""
-    if stacks:
+def recorded_step(step, args, model, stacks: str) -> dict:
+    """One step with the allocator's history recorded: `stacks` "python" (the allocating Python frames), "backward"
+    (the same, recording from the call of `Tensor.backward` on: under checkpointing what is alive at the peak is
+    mostly the recompute's) or "none" (sizes only)."""
+    backward = torch.Tensor.backward
+
+    def recording_backward(tensor, *a, **k):
         torch.cuda.memory._record_memory_history(context="all", stacks="python")
+        return backward(tensor, *a, **k)
+
+    if stacks == "python":
+        torch.cuda.memory._record_memory_history(context="all", stacks="python")
+    elif stacks == "backward":
+        torch.Tensor.backward = recording_backward
     else:
         torch.cuda.memory._record_memory_history(context=None)
     try:
         grpo_step.timed_steps(step, args, model, 1)
         return torch.cuda.memory._snapshot()
     finally:
+        torch.Tensor.backward = backward
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
@@ -88,17 +114,17 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    try:
-        snapshot = recorded_step(step, (ids, mask, adv), model, stacks=True)
-    except SystemError as err:
-        # torch 2.11 on the H200 (2026-11-30): recording Python stacks made the compiled layer's autograd function
-        # return NULL. Without stacks the blocks are grouped by size, which still names the [rows, width] tensors.
-        print(f"MEMORY {system}: recording Python stacks failed ({err}); recording sizes only", flush=True)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        snapshot = recorded_step(step, (ids, mask, adv), model, stacks=False)
+    # torch 2.11 on the H200 (2026-11-30): recording Python stacks made the compiled layer's autograd function return
+    # NULL. Then try from the backward on, then sizes alone (which still name the [rows, width] tensors).
+    for stacks in ("python", "backward", "none"):
+        try:
+            snapshot = recorded_step(step, (ids, mask, adv), model, stacks)
+            break
+        except SystemError as err:
+            print(f"MEMORY {system}: recording with stacks={stacks} failed ({err})", flush=True)
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
     trace = snapshot["device_traces"][device.index or 0]
     peak, alive = live_at_peak(trace)
     print(f"MEMORY {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} tokens): "
@@ -107,6 +133,8 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
     print("| allocated by (innermost first) | GiB | blocks |\n|---|---|---|")
     for site, size, n in by_site(alive, depth)[:rows]:
         print(f"| {site} | {size / 2**30:.3f} | {n} |")
+    print(f"Blocks of 1 MiB or more alive at the peak, in allocation order (of {len(trace)} trace events):")
+    print(timeline(trace, alive))
     del model, step
     torch.cuda.empty_cache()
 

@@ -613,17 +613,21 @@ def test_rows_per_chunk_sizing():
     assert gated_mlp_module.rows_per_chunk(8960, torch.bfloat16) == 7424
 
 
-@pytest.mark.parametrize("rows", [1, 7424, 7425, 10240, 34816, 133120])
-def test_chunks_are_as_few_and_as_even_as_the_cap_allows(rows):
-    """Rows split into ceil(rows / cap) chunks of one size (whole multiples of 128 rows, the last shorter): the
-    largest chunk, which sets the working set, is no larger than an even split needs (10240 rows: 2 x 5120)."""
-    cap = gated_mlp_module.rows_per_chunk(8960, torch.bfloat16)
-    chunks = gated_mlp_module._row_chunks(rows, 8960, torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 1024, 7424, 7425, 10240, 34816, 133120])
+def test_chunks_are_as_few_and_as_even_as_the_caps_allow(rows):
+    """Rows split into ceil(rows / cap) chunks of one size (whole multiples of 128 rows, the last shorter), where the
+    cap keeps a chunk's g/u buffer within 256 MiB and, above 1024 rows, within 4x the bytes of x: 10240 rows of
+    Qwen2.5-1.5B's MLP (x 30 MiB) are three chunks of 3456, 34816 rows five of 7040."""
+    hidden, inter, dtype = 1536, 8960, torch.bfloat16
+    cap = gated_mlp_module.rows_per_chunk(inter, dtype, rows * hidden * dtype.itemsize)
+    assert cap == 1024 or cap * 2 * inter * dtype.itemsize <= min(256 * 2**20, 4 * rows * hidden * dtype.itemsize)
+    chunks = gated_mlp_module._row_chunks(rows, inter, dtype, hidden)
     sizes = [end - start for start, end in chunks]
     assert chunks[0][0] == 0 and chunks[-1][1] == rows and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     assert len(chunks) == -(-rows // cap)
     assert all(size == sizes[0] for size in sizes[:-1]) and sizes[-1] <= sizes[0] <= cap
     assert len(chunks) == 1 or (sizes[0] % 128 == 0 and sizes[0] < -(-rows // len(chunks)) + 128)
+    assert {10240: [3456, 3456, 3328], 34816: [7040] * 4 + [6656]}.get(rows, sizes) == sizes
 
 
 @pytest.mark.parametrize("with_down", [False, True])

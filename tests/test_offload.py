@@ -87,8 +87,10 @@ def test_equals_plain_and_hf_checkpointing(arch, lora):
         offloaded = step(model, ids, mask)
         assert_same(reference, offloaded, rtol=0, atol=0)  # the same ops on the same values
         assert handle.stats.offloaded == LAYERS - 1 and handle.stats.kept == 1
-        # Every copy back was started one layer ahead, none waited for on demand.
+        # Every copy back was started one layer ahead, none waited for on demand (as the layer's recompute started:
+        # these layers have no gated-MLP op to say when their backward's peak has passed).
         assert handle.stats.prefetched == LAYERS - 1 and handle.stats.loaded_on_demand == 0
+        assert handle.stats.prefetched_after_peak == 0
         # torch.autograd.grad works too (non-reentrant checkpointing underneath).
         params = [p for p in model.parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss_of(model, ids, mask), params)
@@ -111,6 +113,7 @@ def test_compiled_layers(arch, save_projections, monkeypatch):
     the MLP (its activation and down projection; all of it when the op recomputes the projections in backward
     anyway): the full MLP forward runs once per layer and step. Gemma2's post-feedforward norm saves the MLP's
     output, so there the recompute computes it. The gradients are unchanged either way."""
+    from fastgrpo.kernels import _dispatch
     from fastgrpo.kernels import gated_mlp as gated_mlp_ops
 
     full_mlp_forwards = []
@@ -124,8 +127,17 @@ def test_compiled_layers(arch, save_projections, monkeypatch):
     fastgrpo.clear_fusion_reports()
     fastgrpo.compile_repeated_blocks(compiled.get_base_model(), options=EAGER | {"save_mlp_projections": save_projections})
     handle = enable_offloaded_checkpointing(compiled)
+    # In backward, each layer's gated-MLP backward (its peak passing) comes before the copy back of the layer
+    # before's input, which then overlaps the rest of the layer's backward.
+    events = []
+    peak_passed, copy_back = _dispatch.backward_peak_passed, handle._copy_back
+    monkeypatch.setattr(_dispatch, "backward_peak_passed", lambda: events.append("peak") or peak_passed())
+    monkeypatch.setattr(gated_mlp_ops._dispatch, "backward_peak_passed", _dispatch.backward_peak_passed)
+    handle._copy_back = lambda saved: events.append("copy") or copy_back(saved)
     for _ in range(2):
         assert_same(reference, step(compiled, ids, mask))
+    assert events == (["peak", "copy"] * (LAYERS - 1) + ["peak"]) * 2, events
+    assert handle.stats.prefetched == handle.stats.prefetched_after_peak == 2 * (LAYERS - 1)
     skips = arch != "gemma2"
     assert len(full_mlp_forwards) == (2 if skips else 4) * LAYERS
     # The layer graphs went through the backend (the rewrite happened) and hold no offload logic.
@@ -135,6 +147,22 @@ def test_compiled_layers(arch, save_projections, monkeypatch):
     recompute = "output skipped in checkpoint recompute" if skips else "output computed in checkpoint recompute"
     assert mlp_sites and all(recompute in site["form"] for site in mlp_sites)
     assert handle.stats.offloaded == 2 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
+
+
+def test_a_peak_signal_that_never_comes_loads_on_demand(monkeypatch):
+    """A layer whose gated-MLP forward promised the signal but whose backward never gives it: the deferred copy back
+    is dropped when the layer before's recompute arrives, which then loads its input on demand (same gradients)."""
+    from fastgrpo.kernels import gated_mlp as gated_mlp_ops
+
+    torch._dynamo.reset()
+    model, compiled = make("llama", lora=True), make("llama", lora=True)
+    ids, mask = batch()
+    reference = step(model, ids, mask)
+    fastgrpo.compile_repeated_blocks(compiled.get_base_model(), options=EAGER)
+    handle = enable_offloaded_checkpointing(compiled)
+    monkeypatch.setattr(gated_mlp_ops._dispatch, "backward_peak_passed", lambda: None)
+    assert_same(reference, step(compiled, ids, mask))
+    assert handle.stats.prefetched == 0 and handle.stats.loaded_on_demand == LAYERS - 1
 
 
 @pytest.mark.parametrize("arch,inner", [("llama", "eager"), ("qwen3", "inductor"), ("gemma2", "aot_eager")])

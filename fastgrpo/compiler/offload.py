@@ -9,7 +9,8 @@ host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
 - forward: the device-to-host copy runs on a side stream while the layer computes; the device
   tensor is freed as soon as the copy has read it (`record_stream`);
 - backward: when layer i's recompute asks for its input, the copy of layer i-1's input back to the
-  device starts on the side stream, so it overlaps layer i's recompute and backward;
+  device starts on the side stream, so it overlaps layer i's recompute and backward; where the layer has a
+  gated-MLP op, only once that op's backward has freed its buffers (PREFETCH_AFTER_BACKWARD_PEAK);
 - host buffers are pinned, one per layer, kept across steps and re-allocated only when a larger
   input arrives; the last layer's input stays on the device (its backward comes first);
 - the recompute runs inside `_dispatch.checkpoint_recompute()`: ops whose output the compiler proved
@@ -61,8 +62,13 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
-from fastgrpo.kernels._dispatch import KeptOutputs, checkpoint_recompute, keeping_outputs
+from fastgrpo.kernels._dispatch import (KeptOutputs, after_backward_peak, cancel_after_backward_peak,
+                                        checkpoint_recompute, keeping_outputs)
 
+# Where a layer's ops signal the peak of its backward (the gated-MLP op, after its chunk buffers are freed), the copy
+# back of the layer before's input and kept outputs starts there rather than when the layer's recompute starts: the
+# copies, two [tokens, hidden] tensors, then never sit beside the MLP backward's buffers (the step's peak).
+PREFETCH_AFTER_BACKWARD_PEAK = True
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"
 _ABSENT = object()  # a layer had no instance value of HF's checkpointing flag
@@ -75,6 +81,7 @@ class OffloadStats:
     offloaded: int = 0  # layer inputs copied to the host
     kept: int = 0  # layer inputs left on the device (the last layer's, or non-contiguous ones)
     prefetched: int = 0  # copies back to the device started one layer ahead
+    prefetched_after_peak: int = 0  # of those, started once the layer ahead's gated-MLP backward had passed
     loaded_on_demand: int = 0  # copies back that nothing had prefetched (the first layer after a retain_graph, ...)
     outputs_offloaded: int = 0  # tensors ops kept for the recompute (attention's output, ...) copied to the host
     outputs_on_device: int = 0  # such tensors left on the device (the last layer's, or not dense)
@@ -324,14 +331,23 @@ class OffloadHandle:
     def _unpack(self, saved):
         if not isinstance(saved, _SavedInput):
             return saved
+        cancel_after_backward_peak()  # a deferred prefetch whose signal never came: its input loads on demand
         tensor = self._take(saved)
         previous = saved.previous() if saved.previous is not None else None
         if previous is not None:
-            if previous.kept is None and previous.on_device is None:
-                self.stats.prefetched += 1
-                self._copy_back(previous)
-            previous.frame.prefetch()  # its recompute comes next, and takes back what its ops kept
+            if PREFETCH_AFTER_BACKWARD_PEAK and saved.frame.signals_backward_peak:
+                after_backward_peak(lambda: self._prefetch(previous, after_peak=True))
+            else:
+                self._prefetch(previous)
         return tensor
+
+    def _prefetch(self, saved: _SavedInput, after_peak: bool = False) -> None:
+        """Start the copy back of `saved` (a layer's input) and of what its ops kept: its recompute comes next."""
+        if saved.kept is None and saved.on_device is None:
+            self.stats.prefetched += 1
+            self.stats.prefetched_after_peak += after_peak
+            self._copy_back(saved)
+        saved.frame.prefetch()
 
     def _copy_back(self, saved: _HostCopy) -> None:
         host = saved.host

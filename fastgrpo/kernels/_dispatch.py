@@ -150,9 +150,11 @@ class KeptOutputs:
     The checkpoint (fastgrpo.compiler.offload) owns one per checkpointed call and decides where the kept tensors
     wait (host memory, or the device); an op goes through `kept_or_computed`. While `recording` (the forward) an
     op computes and calls `keep`; in the re-run (`recording` False) it asks `replay` for what it kept instead of
-    computing it again, and computes only if nothing was kept (None)."""
+    computing it again, and computes only if nothing was kept (None). `signals_backward_peak`: an op of the call
+    will call `backward_peak_passed()` from its backward (`signal_backward_peak`)."""
 
     recording = True
+    signals_backward_peak = False
 
     def keep(self, tensors: tuple[torch.Tensor, ...]) -> None:
         raise NotImplementedError
@@ -178,6 +180,34 @@ def kept_or_computed(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[t
     if frame is not None and frame.recording:
         frame.keep(outputs)
     return outputs
+
+
+def signal_backward_peak() -> None:
+    """Called by an op's forward whose backward frees the largest temporaries of a decoder layer's backward (the
+    gated-MLP op's chunk buffers) and then calls `backward_peak_passed()`: marks the checkpointed call recording."""
+    frame = getattr(_recompute, "frame", None)
+    if frame is not None and frame.recording:
+        frame.signals_backward_peak = True
+
+
+# Work waiting for the backward's peak to pass (global: ops run their backward on autograd's thread).
+_after_backward_peak: list[Callable[[], None]] = []
+
+
+def after_backward_peak(callback: Callable[[], None]) -> None:
+    """Run `callback` at the next `backward_peak_passed()` (the checkpoint defers the copy back of the layer before's
+    input there, so that it does not sit beside the gated-MLP backward's buffers)."""
+    _after_backward_peak.append(callback)
+
+
+def cancel_after_backward_peak() -> None:
+    """Drop what waits for a signal that did not come (the checkpoint's next layer arrived first)."""
+    _after_backward_peak.clear()
+
+
+def backward_peak_passed() -> None:
+    while _after_backward_peak:
+        _after_backward_peak.pop(0)()
 
 
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's

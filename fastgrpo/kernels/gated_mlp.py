@@ -398,7 +398,8 @@ def _lora_inputs(x_rows, factors, a):
 # a buffer of their own when g and u are saved ones; with the down projection h is written over g in
 # forward, and in backward dh, [rows, I], comes beside it and h is written over dh); _CHUNK_BYTES caps that
 # buffer, which keeps the working set fixed as contexts grow (bf16: at most 7424 rows at I = 8960, 4608 at
-# I = 14336; _row_chunks splits the rows evenly into as few chunks as that allows). The other per-chunk temporaries are
+# I = 14336; _row_chunks splits the rows evenly into as few chunks as that allows), and _CHUNK_INPUT_MULTIPLE keeps it
+# in proportion to x at short contexts. The other per-chunk temporaries are
 # [rows, H] (x cast to the adapters' dtype; x joined with its LoRA inputs, [rows, H + r]) or [rows, r],
 # smaller still, beside a weight-sized one per call (the joined weights of _joined_weight) - except with fp32 adapters
 # on a bf16/fp16 base outside autocast, where one projection's LoRA term (forward) or gradient
@@ -407,24 +408,29 @@ def _lora_inputs(x_rows, factors, a):
 # enough to run at full speed. The CPU torch path chunks the same way; its fp32 activation
 # temporaries make its chunks a few times larger in bytes.
 _CHUNK_BYTES = 256 * 2**20
+# ... and at most this many times the bytes of x: at short contexts (1024-token GRPO rows: x 30 MiB) a 256 MiB
+# buffer, with dh beside it, would be the largest part of the step's working memory beyond the weights.
+_CHUNK_INPUT_MULTIPLE = 4
 _MIN_CHUNK_ROWS = 1024
 # Set by tests to force many small chunks; None sizes chunks from _CHUNK_BYTES.
 ROWS_PER_CHUNK: int | None = None
 
 
-def rows_per_chunk(inter: int, dtype: torch.dtype) -> int:
-    """Rows of x that gated_mlp's forward and backward handle per step for intermediate size `inter`."""
+def rows_per_chunk(inter: int, dtype: torch.dtype, input_bytes: int | None = None) -> int:
+    """Rows of x that gated_mlp's forward and backward handle at most per step for intermediate size `inter`
+    (and an x of `input_bytes`, if given)."""
     if ROWS_PER_CHUNK is not None:
         return ROWS_PER_CHUNK
+    budget = _CHUNK_BYTES if input_bytes is None else min(_CHUNK_BYTES, _CHUNK_INPUT_MULTIPLE * input_bytes)
     per_row = 2 * inter * dtype.itemsize
-    return max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // per_row // 128 * 128)
+    return max(_MIN_CHUNK_ROWS, budget // per_row // 128 * 128)
 
 
-def _row_chunks(n_rows, inter, dtype):
+def _row_chunks(n_rows, inter, dtype, hidden):
     """(start, end) of each chunk: as few chunks as rows_per_chunk() allows, of equal size up to the last
-    (whole multiples of 128 rows): 10240 rows are two chunks of 5120, not 7424 and 2816, whose working set
-    would be the larger one's."""
-    step = most = rows_per_chunk(inter, dtype)
+    (whole multiples of 128 rows): 34816 rows are five chunks of 7040, not four of 7424 and one of 5120, whose
+    working set would be the larger ones'."""
+    step = most = rows_per_chunk(inter, dtype, n_rows * hidden * dtype.itemsize)
     if ROWS_PER_CHUNK is None and n_rows > most:
         chunks = -(-n_rows // most)
         per_chunk = -(-n_rows // chunks)
@@ -585,6 +591,7 @@ def _gated_mlp_op(
     x2d = x.reshape(-1, x.shape[-1])
     width = _out_width(w_gate, w_down)
     skip_output = skip_output_on_recompute and _dispatch.in_checkpoint_recompute()
+    _dispatch.signal_backward_peak()  # the backward calls backward_peak_passed() when its chunk buffers are gone
     out = (torch.zeros if skip_output else torch.empty)(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     out2d = out.view(-1, width)
     gu = _saved_projections(x, w_gate, save_projections)
@@ -594,7 +601,7 @@ def _gated_mlp_op(
     joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0])
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     joined_down = None if skip_output else _joined_down_weight(w_down, down, x2d.shape[0])
-    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
+    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1]):
         if skip_output:
             _projections_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, gu[start:end])
         else:
@@ -641,7 +648,6 @@ def _gated_mlp_backward_op(
     saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
     # The joined weight serves the recompute of g and u and, for dx, the GEMM of [dg | du] (_joined_input_grads).
     joined = _joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None or need["x"] else None
-    joined_down = _joined_down_weight(w_down, down, x2d.shape[0])
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
     # both LoRA x-side gradients are formed whenever either A or x needs them.
     need_da = need["gate_a"] or need["up_a"]
@@ -657,10 +663,11 @@ def _gated_mlp_backward_op(
     acc = {name: None for name, wanted in needed.items() if wanted}
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need["x"] else None
     dx2d = dx.view(-1, hidden) if need["x"] else None
-    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype):
+    for start, end in _row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1]):
         _backward_rows(d_out2d[start:end], x2d[start:end], None if saved is None else saved[start:end],
-                       w_gate, w_up, fused, factors, a, lora_scale, joined, activation, w_down, down, joined_down,
+                       w_gate, w_up, fused, factors, a, lora_scale, joined, activation, w_down, down, x2d.shape[0],
                        need_dxa_g, need_dxa_u, lora_back, dx2d[start:end] if need["x"] else None, acc)
+    _dispatch.backward_peak_passed()
     grads = []
     if need["x"]:
         grads.append(dx)
@@ -691,8 +698,9 @@ def _gated_mlp_backward_op(
 def _joined_down_weight(w_down, down, rows):
     """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None (same
     conditions as _joined_weight). Forward: h times it gives the base output and the LoRA input at once
-    (_down_forward). Backward: dh of a chunk comes from one GEMM of [dy | dxa] with it, instead of adding
-    dxa @ A into dh afterwards (a read and a write of the chunk's [rows, I] dh)."""
+    (_down_forward). Backward (built for each chunk, and gone before the chunk's recomputed g/u exist): dh of a
+    chunk comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
+    write of the chunk's [rows, I] dh)."""
     if down is None or not _joins(w_down, down[0], rows, w_down.shape[0]):
         return None
     return torch.cat((w_down, down[0]))
@@ -712,11 +720,8 @@ def _down_backward(d_out_rows, w_down, down, joined_down):
         dxa = torch.mm(d_lora, db)
         _add_product_(dh, dxa, da)
         return dh, (d_lora, dxa)
-    width = d_out_rows.shape[1]
-    d_joined = torch.empty(d_out_rows.shape[0], width + db.shape[1], dtype=d_out_rows.dtype, device=d_out_rows.device)
-    d_joined[:, :width] = d_out_rows
-    dxa = torch.mm(d_lora, db, out=d_joined[:, width:])
-    return torch.mm(d_joined, joined_down), (d_lora, dxa)
+    dxa = torch.mm(d_lora, db)
+    return torch.mm(torch.cat((d_out_rows, dxa), dim=1), joined_down), (d_lora, dxa)
 
 
 def _down_grads(d_out_rows, h, down, down_lora, acc):
@@ -732,12 +737,21 @@ def _down_grads(d_out_rows, h, down, down_lora, acc):
 
 
 def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, joined, activation,
-                   w_down, down, joined_down, need_dxa_g, need_dxa_u, lora_back, dx_rows, acc):
-    """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
+                   w_down, down, n_rows, need_dxa_g, need_dxa_u, lora_back, dx_rows, acc):
+    """One chunk of the backward (of the op's n_rows): writes dx_rows (unless None) and adds the chunk's share of each
     needed weight and LoRA gradient to its fp32 accumulator in `acc`. A
     function of its own so that the chunk's buffers are freed before the next chunk's exist."""
     ga, _, ua, _ = factors
     inter = w_gate.shape[0]
+    h = down_lora = None
+    if w_down is not None:
+        # dh first, through a joined down weight of this chunk's own: it and [dy | dxa] are gone before the
+        # recomputed g and u exist (the backward's peak: g/u, dh and the joined gate/up weight).
+        dh_rows, down_lora = _down_backward(d_out_rows, w_down, down, _joined_down_weight(w_down, down, n_rows))
+        if {"w_down", "down_a", "down_b"} & set(acc):
+            h = dh_rows  # written over dh (a buffer of this chunk's, read first): no fourth [rows, I]
+    else:
+        dh_rows = _rows_unit_stride(d_out_rows, inter)
     if saved_rows is None:
         # dg, du overwrite the recomputed g, u: a chunk holds one [rows, 2I] buffer, not two.
         g, u, dgu, (x_cast, _, lora_g, lora_u) = _projections_rows(x_rows, w_gate, w_up, factors, a, lora_scale,
@@ -748,13 +762,6 @@ def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors,
         dgu = torch.empty(saved_rows.shape, dtype=saved_rows.dtype, device=saved_rows.device)
         dg, du = dgu[:, :inter], dgu[:, inter:]
         x_cast, _, lora_g, lora_u = _lora_inputs(x_rows, factors, a)
-    h = down_lora = None
-    if w_down is not None:
-        dh_rows, down_lora = _down_backward(d_out_rows, w_down, down, joined_down)
-        if {"w_down", "down_a", "down_b"} & set(acc):
-            h = dh_rows  # written over dh (a buffer of this chunk's, read first): no fourth [rows, I]
-    else:
-        dh_rows = _rows_unit_stride(d_out_rows, inter)
     _act_mul_bwd(dh_rows, g, u, dg, du, activation, h)  # also forms h, for the down projection's gradients
     del dh_rows
     if h is not None:
