@@ -41,9 +41,11 @@ reads) switches *offloaded* checkpointing on and off for that layer: HF's own ch
 inside ours, and code that toggles checkpointing around generation (TRL, HF Trainer, PEFT's
 `prepare_model_for_kbit_training`) pauses and resumes offloading. Enabling turns it on;
 `gradient_checkpointing_kwargs` (reentrant, HF's `offload=`) are ignored: this is always
-non-reentrant. PEFT's `enable_input_require_grads` is not needed (that is for reentrant checkpointing); where it
-is on (PEFT's `gradient_checkpointing_enable` turns it on), layer 0's input is a leaf that requires grad, held by
-its AccumulateGrad node until backward, so it stays on the device besides its host copy.
+non-reentrant. HF's `enable_input_require_grads` is not needed (that is for reentrant checkpointing); where it
+is on (PEFT's `gradient_checkpointing_enable` turns it on), the input embeddings return a leaf that requires grad,
+and a leaf's AccumulateGrad node would hold it (layer 0's input: tokens x hidden) on the device until backward,
+besides its host copy. While offloading, that output is swapped for an alias that requires grad without being a leaf
+(`_GradWithoutLeaf`): the same values and layer graphs, no gradient for a tensor nothing reads, nothing held.
 Gradients are exactly those of plain non-reentrant checkpointing: `loss.backward()`,
 `torch.autograd.grad` and `retain_graph` all work, and RNG state and autocast are replayed by torch's
 checkpoint as usual. Other layer inputs (attention
@@ -192,6 +194,21 @@ def marking_recomputes(forward, frame: _KeptFrame | None = None):
     return run
 
 
+class _GradWithoutLeaf(torch.autograd.Function):
+    """`x` (which needs no grad) as a tensor that requires grad through `anchor`, a 0-element leaf, rather than by
+    being a leaf itself; the gradient it gets is dropped. Only the anchor's AccumulateGrad is in the graph, so `x` is
+    freed as soon as the forward lets go of it."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        # detach(), not a view: a compiled layer whose input is a view of another tensor is a graph of its own.
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
 class OffloadHandle:
     """Offloaded checkpointing on one model's repeated blocks; `disable()` undoes it."""
 
@@ -204,6 +221,8 @@ class OffloadHandle:
         self._target: tuple[torch.Tensor, int] | None = None  # (input, layer) the pack hook waits for
         self._last: weakref.ref | None = None  # the most recent saved input
         self._enabled = True
+        self._anchors: dict[torch.device, torch.Tensor] = {}  # per device, what _GradWithoutLeaf outputs hang on
+        self._hooks: list = []  # on the input embeddings (watch_input_embeddings)
 
     # ---- public -------------------------------------------------------------------------------------
     def disable(self) -> None:
@@ -216,6 +235,9 @@ class OffloadHandle:
             block.__class__ = state.original_class
             if state.hf_flag is not _ABSENT:
                 block.__dict__["gradient_checkpointing"] = state.hf_flag
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self._slots.clear()
         self.stats.host_bytes = 0
         self._enabled = False
@@ -230,6 +252,30 @@ class OffloadHandle:
 
     def __exit__(self, *exc) -> None:
         self.disable()
+
+    # ---- the input embeddings' leaf ---------------------------------------------------------------------
+    def watch_input_embeddings(self, embeddings: nn.Module) -> None:
+        """Replace a leaf that requires grad, returned by `embeddings` while offloading, with `_GradWithoutLeaf`'s alias.
+
+        HF's `enable_input_require_grads` hook makes the output a leaf in place, whenever it was registered: a
+        forward pre-hook keeps the replacing hook after it (hooks run in registration order)."""
+        alias_hook = embeddings.register_forward_hook(torch._dynamo.disable(self._alias_leaf_output))
+
+        @torch._dynamo.disable
+        def keep_alias_hook_last(module, args):
+            module._forward_hooks.move_to_end(alias_hook.id)
+
+        self._hooks += [alias_hook, embeddings.register_forward_pre_hook(keep_alias_hook_last)]
+
+    def _alias_leaf_output(self, module, args, output):
+        offloading = self.blocks[0].__dict__["_fastgrpo_offload"].active and self.blocks[0].training
+        if not (offloading and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
+                and output.is_leaf and output.requires_grad):
+            return None
+        anchor = self._anchors.get(output.device)
+        if anchor is None:
+            anchor = self._anchors[output.device] = torch.empty(0, device=output.device, requires_grad=True)
+        return _GradWithoutLeaf.apply(output.detach(), anchor)
 
     # ---- the checkpointed call ------------------------------------------------------------------------
     def _checkpointed_call(self, block: nn.Module, layer: int, call, args: tuple, kwargs: dict):
@@ -472,6 +518,12 @@ def enable_offloaded_checkpointing(model: nn.Module, keep_last: int = 1) -> Offl
         hf_flag = block.__dict__.pop("gradient_checkpointing", _ABSENT)
         block.__dict__["_fastgrpo_offload"] = _BlockState(handle, layer, cls, _uncheckpointed_call(cls), hf_flag)
         block.__class__ = _offloaded_class(cls)
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not an HF model, or one without input embeddings
+        embeddings = None
+    if isinstance(embeddings, nn.Module):
+        handle.watch_input_embeddings(embeddings)
     return handle
 
 

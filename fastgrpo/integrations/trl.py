@@ -635,7 +635,8 @@ class GRPOTrainer(TRLGRPOTrainer):
             self.add_callback(FreezeLongLivedObjects())
         reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
         # With offloading (always non-reentrant) the hook is kept for another reason: the layers are compiled one
-        # region each, and a first layer whose input needs no grad would compile a second layer graph.
+        # region each, and a first layer whose input needs no grad would compile a second layer graph (offloading
+        # swaps the leaf the hook makes for an alias that autograd does not hold through the backward).
         needed = reentrant or self._offload_on()
         keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=needed)
 
