@@ -4,10 +4,12 @@ checked on a machine without a GPU.
 CPU CI runs the kernels through Triton's interpreter, which accepts Python the CUDA compiler
 refuses: a plain-float global read inside a kernel passed every CPU test and failed every GeLU
 kernel on the H200; and the interpreter has no shared memory: the fp32 act_mul backward's tiles
-needed 304 KB and failed there too. So each op runs here once, forward and backward, through the
-interpreter with the launch configurations a GPU would get (`_dispatch.cuda_launch_configs()`:
-block sizes, warps, grid sizing, TF32 dots) while its kernel launches are recorded (kernel, argument
-types, constexprs, num_warps); a fresh process without the interpreter then compiles each recorded
+needed 304 KB and failed there too. So each op runs here once, forward and backward, on the Triton
+path with the launch configurations a GPU would get (`_dispatch.cuda_launch_configs()`: block sizes,
+warps, grid sizing, TF32 dots) while its kernel launches are recorded (kernel, argument types,
+constexprs, num_warps) and not run: which launches the ops make depends on shapes, not values, and the
+interpreter would take minutes over GPU-sized blocks (204 s on CI's 2 cores, for the same 58 launches).
+A fresh process without the interpreter then compiles each recorded
 launch for sm_90 through Triton's front end, its GPU-IR passes and its shared-memory allocation, as
 the GPU's first call would (stopping before LLVM and ptxas, for time), and checks the allocation
 against an H100/H200's 227 KB per block.
@@ -109,7 +111,8 @@ def _describe(value, constexpr: bool) -> tuple[str, object]:
 
 
 def _record_launches(run_ops) -> list[dict]:
-    """Run `run_ops()` through the interpreter and return each distinct kernel launch it made."""
+    """Run `run_ops()` on the Triton path and return each distinct kernel launch it made; the kernels do not run
+    (their outputs are left as allocated)."""
     launches, original = {}, interpreter.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
@@ -123,7 +126,6 @@ def _record_launches(run_ops) -> list[dict]:
             "options": {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
         }
         launches[json.dumps(record, sort_keys=True)] = record
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
     try:
