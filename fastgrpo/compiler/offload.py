@@ -221,7 +221,6 @@ class OffloadHandle:
         self._target: tuple[torch.Tensor, int] | None = None  # (input, layer) the pack hook waits for
         self._last: weakref.ref | None = None  # the most recent saved input
         self._enabled = True
-        self._anchors: dict[torch.device, torch.Tensor] = {}  # per device, what _GradWithoutLeaf outputs hang on
         self._hooks: list = []  # on the input embeddings (watch_input_embeddings)
 
     # ---- public -------------------------------------------------------------------------------------
@@ -272,9 +271,7 @@ class OffloadHandle:
         if not (offloading and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
                 and output.is_leaf and output.requires_grad):
             return None
-        anchor = self._anchors.get(output.device)
-        if anchor is None:
-            anchor = self._anchors[output.device] = torch.empty(0, device=output.device, requires_grad=True)
+        anchor = torch.empty(0, device=output.device, requires_grad=True)  # 0 elements: allocates nothing
         return _GradWithoutLeaf.apply(output.detach(), anchor)
 
     # ---- the checkpointed call ------------------------------------------------------------------------
