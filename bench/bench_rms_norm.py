@@ -3,6 +3,7 @@ code, torch.compile (inductor) of that code, and Liger-Kernel (when importable).
 
     python bench/bench_rms_norm.py                 # rows 32768, H in {576, 1536, 4096, 8192}
     python bench/bench_rms_norm.py --dry-run       # tiny shapes on CPU: checks the providers agree
+    python bench/bench_rms_norm.py --frozen-weight # the same without dW, as in a LoRA step
     python bench/bench_rms_norm.py --sweep         # time the kernels' launch configurations
     python bench/bench_rms_norm.py --hidden 576 1536 4096 --sweep bwd+dw add_bwd+dw --stages 0 2 3 4
                                                    # the backward with dW, register prefetch vs pipelined
@@ -11,8 +12,9 @@ Bytes counted (the minimum traffic of the op, weight excluded):
     rms:      fwd reads x, writes y;            bwd reads x, dy, writes dx         -> 5 * N * H * 2
     add+rms:  fwd reads x, res, writes s, y;    bwd reads s, dy, ds, writes d(s)   -> 8 * N * H * 2
 d(res) is the same tensor as d(x) (d(s) itself), in every provider, so it is written once.
-The weight requires grad (dW is computed). Times are medians of triton.testing.do_bench
-(with the Python launch overhead) and of do_bench_cudagraph (GPU time only).
+The weight requires grad (dW is computed), or with --frozen-weight not (as in a LoRA step).
+Times are medians of triton.testing.do_bench (with the Python launch overhead) and of
+do_bench_cudagraph (GPU time only).
 The row "same bytes" is no RMSNorm: two compiled pointwise kernels (one for the forward, one for the
 backward) that read and write exactly the bytes counted above, the ceiling the op's kernels can reach at
 that size on this device, launch and drain included.
@@ -87,23 +89,25 @@ def providers(mode, with_inductor, with_liger):
     return out
 
 
-def make_inputs(mode, rows, H, device, seed=0):
+def make_inputs(mode, rows, H, device, seed=0, weight_grad=True):
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, requires_grad=False):
         return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE).requires_grad_(requires_grad)
 
     x = randn(rows, H, requires_grad=True)
-    w = (randn(H) * 0.1 + 1).requires_grad_()
+    w = (randn(H) * 0.1 + 1).requires_grad_(weight_grad)
     if mode == "rms":
         return (x, w), (randn(rows, H),)
     return (x, randn(rows, H, requires_grad=True), w), (randn(rows, H), randn(rows, H))
 
 
 def fwd_bwd(fn, inputs, grads):
+    wanted = [t for t in inputs if t.requires_grad]  # the weight drops out when frozen
+
     def step():
         outs = fn(*inputs)
-        return torch.autograd.grad(outs, inputs, grads)
+        return torch.autograd.grad(outs, wanted, grads)
 
     return step
 
@@ -130,14 +134,15 @@ def same_bytes_step(mode, rows, H):
     return lambda: (fwd(x, r), bwd(x, dy, ds))
 
 
-def check_agreement(mode, fns, rows, H, device):
+def check_agreement(mode, fns, rows, H, device, weight_grad=True):
     """Every provider's outputs and grads close to eager's (bf16 tolerances)."""
-    inputs, grads = make_inputs(mode, rows, H, device)
+    inputs, grads = make_inputs(mode, rows, H, device, weight_grad=weight_grad)
     ref = None
     for name, fn in fns.items():
         grads_copy = tuple(g.clone() for g in grads)  # Liger writes dX into dY
         outs = fn(*inputs)
-        got = tuple(o.float() for o in outs) + tuple(g.float() for g in torch.autograd.grad(outs, inputs, grads_copy))
+        wanted = [t for t in inputs if t.requires_grad]
+        got = tuple(o.float() for o in outs) + tuple(g.float() for g in torch.autograd.grad(outs, wanted, grads_copy))
         if ref is None:
             ref = got
             continue
@@ -159,12 +164,12 @@ def timings(step, mode, rows, H):
                 gbps_cudagraph=bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9)
 
 
-def bench(mode, rows, H, with_inductor, with_liger):
+def bench(mode, rows, H, with_inductor, with_liger, weight_grad=True):
     fns = providers(mode, with_inductor, with_liger)
-    check_agreement(mode, fns, 256, H, "cuda")
+    check_agreement(mode, fns, 256, H, "cuda", weight_grad)
     results = {}
     for name, fn in fns.items():
-        inputs, grads = make_inputs(mode, rows, H, "cuda")
+        inputs, grads = make_inputs(mode, rows, H, "cuda", weight_grad=weight_grad)
         step = fwd_bwd(fn, inputs, grads)
         step()
         torch.cuda.synchronize()
@@ -218,6 +223,7 @@ def sweep_configs(kind, H, stages=(0,)):
         return configs
     blocks = [(br, nw) for br in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8, 16, 32)
               if 4 <= br * block_h // (nw * 32) <= 32]
+    # (programs per SM None: one row block a program, straight through, as inductor's own kernels run)
     per_sm_options = (None,) if kind.endswith("fwd") else (None, 4, 8)
     configs = [(br, nw, per_sm, 0) for (br, nw), per_sm in itertools.product(blocks, per_sm_options)]
     if not kind.endswith("fwd") and block_h <= 2048:
@@ -321,8 +327,8 @@ def sweep_reduce(rows, hidden_sizes):
 
 def dry_run():
     """CPU, tiny shapes: the providers that run on CPU agree and the byte counts are right."""
-    for mode in ("rms", "add+rms"):
-        check_agreement(mode, providers(mode, with_inductor=False, with_liger=False), 64, 96, "cpu")
+    for mode, weight_grad in itertools.product(("rms", "add+rms"), (True, False)):
+        check_agreement(mode, providers(mode, with_inductor=False, with_liger=False), 64, 96, "cpu", weight_grad)
     assert bytes_moved("rms", 32768, 4096) == 5 * 32768 * 4096 * 2
     # The sweep's grid holds the current defaults (its "now"); count what a stages sweep would time.
     n_configs = 0
@@ -348,6 +354,9 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[0], metavar="S",
                         help="with --sweep: the backward's pipeline stages tried with dW (0 = register prefetch, "
                              "the default; e.g. --stages 0 2 3 4)")
+    parser.add_argument("--frozen-weight", action="store_true",
+                        help="the weight requires no gradient, as in a LoRA step (no dW; Liger's backward still "
+                             "computes it)")
     parser.add_argument("--sweep-reduce", action="store_true",
                         help="time the dW reduction's configurations and the backward's programs per SM")
     args = parser.parse_args()
@@ -363,13 +372,14 @@ def main():
     all_results = []
     for mode in ("rms", "add+rms"):
         for H in args.hidden:
-            res = bench(mode, args.rows, H, not args.no_inductor, with_liger=True)
+            res = bench(mode, args.rows, H, not args.no_inductor, with_liger=True, weight_grad=not args.frozen_weight)
             for name, r in res.items():
                 all_results.append(dict(mode=mode, rows=args.rows, hidden=H, provider=name, **r))
             print(f"{mode} H={H}: " + ", ".join(f"{n} {r['ms'] * 1e3:.0f}us" for n, r in res.items()), flush=True)
 
     peak_gbps = DEVICE_COPY_TBPS * 1e3
-    print(f"\n{torch.cuda.get_device_name()}, bf16, rows={args.rows}, fwd+bwd with dW; "
+    print(f"\n{torch.cuda.get_device_name()}, bf16, rows={args.rows}, fwd+bwd "
+          f"{'without dW (frozen weight)' if args.frozen_weight else 'with dW'}; "
           f"% = share of {DEVICE_COPY_TBPS} TB/s; x = speed-up of fastgrpo over the provider\n")
     print("| mode | H | provider | ms | GB/s | % peak | ms (CUDA graph) | GB/s (graph) | % peak (graph) "
           "| extra peak MiB | fastgrpo x | fastgrpo x (graph) |")
@@ -386,6 +396,7 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_rms_norm.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           frozen_weight=args.frozen_weight,
                            results=all_results), f, indent=1)
 
 

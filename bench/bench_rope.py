@@ -107,7 +107,7 @@ def bench(fn, q, k, cos, sin, mode, device):
     ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
     # Replayed as a CUDA graph, the forward's time is the GPU's alone: at 32k tokens a RoPE kernel
     # takes ~0.1 ms, less than a custom op's Python dispatch, so eager timings measure the host.
-    # (autograd.grad cannot be captured, so bwd/full have eager timings only.)
+    # (Here bwd and full have eager timings only; `--rounds` replays forward + backward as a graph.)
     gpu_ms = None
     if mode == "fwd":
         try:
@@ -152,31 +152,44 @@ def sweep(device):
         rope_module._cuda_config = saved
 
 
-def forward_rounds(providers, rounds, device):
-    """The forward's GPU time (CUDA graph) of every provider, `rounds` times in turn, so that the drift of
-    the device's speed within a call (a few us at these sizes) falls on every provider alike: medians and
-    spreads per provider, and the ratios of the medians."""
+def graph_rounds(providers, rounds, device):
+    """GPU time (CUDA graph) of every provider's forward and of its forward + backward (the issue's measure: a
+    training step runs both), `rounds` times in turn, so that the drift of the device's speed within a call (a few
+    us at these sizes) falls on every provider alike: medians and spreads per provider, and the ratios of the
+    medians. The forward + backward graph holds the forward, then autograd's backward to q and k from fixed
+    output gradients (Liger rotates q, k and those gradients in place at every replay: a rotation keeps their
+    magnitude, so the timing holds)."""
     import statistics
 
     import triton.testing
 
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
         q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
-        times = {provider: [] for provider in providers}
-        for _ in range(rounds):
-            for provider, fn in providers.items():
-                def step(fn=fn):
-                    with torch.no_grad():
-                        return fn(q, k, cos, sin)
-                times[provider].append(triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3)
-        ours = statistics.median(times["fastgrpo_half"])
-        print(f"\n{name}, forward, CUDA-graph us, {rounds} rounds (median, min-max), ratio = provider / fastgrpo_half")
-        for provider, us in times.items():
-            cos_bytes = 2 * cos.numel() * cos.element_size() // (2 if provider in READS_HALF_COS else 1)
-            n_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + cos_bytes
-            median = statistics.median(us)
-            print(f"| {name} | {provider} | {median:.1f} ({min(us):.1f}-{max(us):.1f}) | "
-                  f"{100 * n_bytes / (median * 1e-6) / COPY_BANDWIDTH:.0f} % | {median / ours:.3f} |", flush=True)
+        q_grad, k_grad = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        out_grads = [torch.randn_like(q), torch.randn_like(k)]
+        for mode in ("fwd", "fwd+bwd"):
+            times = {provider: [] for provider in providers}
+            for _ in range(rounds):
+                for provider, fn in providers.items():
+                    if mode == "fwd":
+                        def step(fn=fn):
+                            with torch.no_grad():
+                                return fn(q, k, cos, sin)
+                    else:
+                        def step(fn=fn):
+                            outs = fn(q_grad, k_grad, cos, sin)
+                            return torch.autograd.grad(outs, (q_grad, k_grad), out_grads)
+                    times[provider].append(
+                        triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3)
+            ours = statistics.median(times["fastgrpo_half"])
+            print(f"\n{name}, {mode}, CUDA-graph us, {rounds} rounds (median, min-max), "
+                  "ratio = provider / fastgrpo_half")
+            for provider, us in times.items():
+                cos_bytes = 2 * cos.numel() * cos.element_size() // (2 if provider in READS_HALF_COS else 1)
+                n_bytes = (2 * (q.numel() + k.numel()) * q.element_size() + cos_bytes) * (1 if mode == "fwd" else 2)
+                median = statistics.median(us)
+                print(f"| {name} | {mode} | {provider} | {median:.1f} ({min(us):.1f}-{max(us):.1f}) | "
+                      f"{100 * n_bytes / (median * 1e-6) / COPY_BANDWIDTH:.0f} % | {median / ours:.3f} |", flush=True)
 
 
 def dry_run():
@@ -195,7 +208,8 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations")
     parser.add_argument("--rounds", type=int, default=0, metavar="N",
-                        help="only the forward's CUDA-graph time of each provider, N rounds taking turns; medians")
+                        help="only the CUDA-graph times (forward, forward + backward) of each provider, N rounds "
+                             "taking turns; medians")
     args = parser.parse_args()
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
@@ -210,7 +224,7 @@ def main():
     if liger is not None:
         providers["liger"] = liger
     if args.rounds:
-        return forward_rounds(providers, args.rounds, device)
+        return graph_rounds(providers, args.rounds, device)
     rows = []
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
         q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)

@@ -101,7 +101,11 @@ run_step() {
     mlp_checkpointed) step mlp_checkpointed 200 "$OURS" python3 bench/bench_gated_mlp.py --block --checkpointed ;;
     mlp_profile) step mlp_profile 90 "$OURS" python3 bench/bench_gated_mlp.py --block --profile-only --shapes qwen2.5-1.5b --profile-variant ${MLP_PROFILE_VARIANT:-lora} ;;
     rms_bench) step rms_bench 150 "$OURS" python3 bench/bench_rms_norm.py ;;
+    # The same without dW (a frozen norm weight, as in every LoRA step).
+    rms_frozen) step rms_frozen 150 "$OURS" python3 bench/bench_rms_norm.py --frozen-weight ;;
     rope_bench) step rope_bench 90 "$OURS" python3 bench/bench_rope.py ;;
+    # Every provider's forward and forward + backward as CUDA graphs, ROPE_ROUNDS rounds taking turns.
+    rope_rounds) step rope_rounds 150 "$OURS" python3 bench/bench_rope.py --rounds ${ROPE_ROUNDS:-5} ;;
     # Host time of one call of the RMSNorm and RoPE ops, eager and in a compiled training block (triton_ops).
     op_host) step op_host 90 "$OURS" python3 bench/bench_op_host.py ;;
     # SDPA's kernels (flash, cuDNN, memory-efficient) on the step's attention shapes: what the attention pattern picks.

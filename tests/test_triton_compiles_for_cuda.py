@@ -180,16 +180,22 @@ def _run_every_op():
         for softcap in (0.0, 30.0):  # the frozen head: the gradient computed in forward
             selective_logprob(hidden, head.detach(), targets, logit_scale=0.5, softcap=softcap).sum().backward()
 
-    # RMSNorm's backward with its software-pipelined row loop (stages > 0: off by default, timed by the sweep).
+    # RMSNorm's backward in each form a launch configuration selects, whichever the defaults pick at these widths:
+    # the row loop of persistent programs with the next rows prefetched into registers (stages 0) or
+    # software-pipelined (stages > 0), and, without dW, one row block a program (no programs per SM).
     default_config = rms_norm_module._bwd_config
     x, residual, weight = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
                            for shape in ((3, 576), (3, 576), (576,)))
     try:
-        for stages in (2, 4):
+        for stages in (0, 2, 4):
             rms_norm_module._bwd_config = lambda *args, stages=stages: default_config(*args)[:3] + (stages,)
             rms_norm(x, weight).float().sum().backward()
             s, normed = add_rms_norm(x, residual, weight)
             (s.float().sum() + normed.float().sum()).backward()
+        rms_norm_module._bwd_config = lambda *args: (2, 2, None, 0)
+        rms_norm(x, weight.detach()).float().sum().backward()
+        s, normed = add_rms_norm(x, residual, weight.detach())
+        (s.float().sum() + normed.float().sum()).backward()
     finally:
         rms_norm_module._bwd_config = default_config
 

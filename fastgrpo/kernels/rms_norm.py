@@ -144,6 +144,30 @@ def _load_rows(ptr, rows, n_rows, n1, n2, stride0, stride1, stride2, cols, col_m
 
 
 @triton.jit
+def _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DX: tl.constexpr):
+    """(dx, n) of one block of rows from its fp32 input v, incoming gradient dy and (HAS_DSUM) the sum's gradient:
+    rstd is recomputed from v."""
+    sum_vv = tl.sum(v * v, axis=1)
+    dx = v  # unused unless NEED_DX
+    if NEED_DX:
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        # sum(g * n) = rstd * sum(g * v): the row's two sums do not wait on each other (a row is
+        # one warp's work at narrow widths, where each sum is a chain of shuffles).
+        sum_gv = tl.sum(g * v, axis=1)
+    rstd = tl.math.rsqrt(sum_vv / H + eps)
+    n = v * rstd[:, None]
+    if NEED_DX:
+        mean_gn = rstd * sum_gv / H
+        dx = (g - n * mean_gn[:, None]) * rstd[:, None]
+        if HAS_DSUM:
+            dx += dsum
+    return dx, n
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr, dy_s0, dy_s1, dy_s2,
     dsum_ptr, dsum_s0, dsum_s1, dsum_s2,
@@ -163,17 +187,20 @@ def _rms_norm_bwd_kernel(
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     PIPELINE_STAGES: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Each program walks row blocks pid, pid + P, pid + 2P, ... (P = number of programs) and,
-    when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid].
+    """PERSISTENT: each program walks row blocks pid, pid + P, pid + 2P, ... (P = number of programs) and,
+    when dW is needed, writes its fp32 partial sum of dy * n to dw_partial[pid]. Otherwise (no dW) each
+    program does one row block, straight through, as inductor's own kernels do: no loop, no prefetch, so
+    few registers a thread and many programs on an SM, which keep the loads in flight.
     DEPENDENT_LAUNCH (then NEED_DW is False, or the dW reduction follows as this kernel's programmatic
     dependent): wait for the kernel before, and let the reduction's programs start now (they take their
     place on the SMs and wait there for this kernel's partials).
 
-    The next blocks' loads are in flight while a block computes, which keeps the few programs a
-    dW reduction allows busy on memory. PIPELINE_STAGES = 0: the next block is prefetched into
+    Persistent programs keep the next blocks' loads in flight while a block computes, which keeps the few
+    programs a dW reduction allows busy on memory. PIPELINE_STAGES = 0: the next block is prefetched into
     registers by hand; > 0: Triton's software pipelining keeps PIPELINE_STAGES - 1 blocks in
     flight, staged through shared memory (cp.async on sm_80+), so they cost no registers."""
     if DEPENDENT_LAUNCH:
@@ -182,20 +209,33 @@ def _rms_norm_bwd_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     eps, offset = _fp32_scalars(eps, offset)
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_ROW
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
 
+    w = tl.zeros((BLOCK_H,), dtype=tl.float32)  # unused without a weight
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         if ROUND_W_EFF:
             w = _cast(w + offset, W_DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         else:
             w = w + offset
+    rows = (pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)).to(tl.int64)  # int64: offsets pass 2**31
+
+    if not PERSISTENT:
+        v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask).to(tl.float32)
+        dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask).to(tl.float32)
+        dsum = dy  # unused without the sum's gradient
+        if HAS_DSUM:
+            dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask).to(tl.float32)
+        dx, n = _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM, HAS_WEIGHT, NEED_DX)
+        if NEED_DX:
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+        return
+
+    step = tl.num_programs(0) * BLOCK_ROW
     if NEED_DW:
         dw_acc = tl.zeros((BLOCK_ROW, BLOCK_H), dtype=tl.float32)
-
-    rows = (pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)).to(tl.int64)  # int64: offsets pass 2**31
     if PIPELINE_STAGES == 0:
         v_next = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
         dy_next = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
@@ -206,6 +246,7 @@ def _rms_norm_bwd_kernel(
         if PIPELINE_STAGES == 0:
             v = v_next.to(tl.float32)
             dy = dy_next.to(tl.float32)
+            dsum = dy  # unused without the sum's gradient
             if HAS_DSUM:
                 dsum = dsum_next.to(tl.float32)
             next_rows = rows + step
@@ -217,26 +258,12 @@ def _rms_norm_bwd_kernel(
         else:
             v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask).to(tl.float32)
             dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask).to(tl.float32)
+            dsum = dy
             if HAS_DSUM:
                 dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
                                   col_mask).to(tl.float32)
-
-        sum_vv = tl.sum(v * v, axis=1)
+        dx, n = _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM, HAS_WEIGHT, NEED_DX)
         if NEED_DX:
-            if HAS_WEIGHT:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            # sum(g * n) = rstd * sum(g * v): the row's two sums do not wait on each other (a row is
-            # one warp's work at narrow widths, where each sum is a chain of shuffles).
-            sum_gv = tl.sum(g * v, axis=1)
-        rstd = tl.math.rsqrt(sum_vv / H + eps)
-        n = v * rstd[:, None]
-        if NEED_DX:
-            mean_gn = rstd * sum_gv / H
-            dx = (g - n * mean_gn[:, None]) * rstd[:, None]
-            if HAS_DSUM:
-                dx += dsum
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
         if NEED_DW:
@@ -296,10 +323,19 @@ def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
 
 
 def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int], int]:
-    """(rows per program, num_warps, programs per SM, pipeline stages) for the backward kernel,
-    whose programs are persistent (they loop over row blocks, prefetching the next).
+    """(rows per program, num_warps, programs per SM, pipeline stages) for the backward kernel. Programs
+    per SM None: one row block a program, straight through (never with dW); otherwise persistent programs
+    (they loop over row blocks, prefetching the next).
 
-    Up to 2048-wide blocks, with or without dW and the residual's gradient: one row a program and
+    Without dW (a frozen norm weight, as in every LoRA step), up to 2048-wide blocks: one row a program,
+    straight through, as inductor launches its own backward: few registers a thread, many programs an SM
+    (1 warp at 1024-wide blocks, 2 at 2048, 4 with the residual's gradient). H200, rows 32768, bf16,
+    2026-12-02 (`bench_rms_norm.py --sweep bwd add_bwd`): H = 576 28.4 us against 29.6 for the pipelined
+    persistent programs below (inductor's kernel 28.2), H = 1536 70.6 against 74.9, with the residual's
+    gradient 93.1 against 95.6; but at H = 576 with the residual's gradient 38.5 against 37.8, which keeps
+    the persistent programs.
+
+    Up to 2048-wide blocks, with dW (and without it where the above does not apply): one row a program and
     Triton's software pipelining (stages - 1 row blocks in flight in shared memory). Up to 1024 wide,
     one warp holds the row, so its two sums never leave the warp (no shared-memory exchange and
     barrier per row), 8 programs per SM, 4 stages (3 with the residual's gradient, a third input in
@@ -325,6 +361,8 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
+    if not need_dw and block_h <= 2048 and not (has_dsum and block_h <= 1024):
+        return 1, (4 if has_dsum else max(1, block_h // 1024)), None, 0
     if block_h <= 1024:
         return 1, 1, 8, (3 if has_dsum else 4)
     if block_h <= 2048:
@@ -452,6 +490,9 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         weight = weight.contiguous()
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
+    if weight_grad and programs_per_sm is None:
+        raise ValueError("fastgrpo::rms_norm: a backward with dW needs persistent programs (a fixed number of "
+                         "partial sums); _bwd_config returned no programs per SM")
     programs, most_programs = _bwd_programs(src.device, _dispatch.cdiv(n_rows, block_row), programs_per_sm)
     # The backward lets the reduction start early only when the reduction is launched as its dependent (and the
     # dW reduction's programs then overlap the backward's last rows).
@@ -476,6 +517,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         EMULATE_BF16_RTNE=not src.is_cuda,
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
+        PERSISTENT=programs_per_sm is not None,
         PIPELINE_STAGES=stages,
         **dependent_launch,
         num_warps=num_warps,
