@@ -327,13 +327,14 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     per SM None: one row block a program, straight through (never with dW); otherwise persistent programs
     (they loop over row blocks, prefetching the next).
 
-    Without dW (a frozen norm weight, as in every LoRA step), up to 2048-wide blocks: one row a program,
+    Without dW (a frozen norm weight, as in every LoRA step), 1024- and 2048-wide blocks: one row a program,
     straight through, as inductor launches its own backward: few registers a thread, many programs an SM
     (1 warp at 1024-wide blocks, 2 at 2048, 4 with the residual's gradient). H200, rows 32768, bf16,
     2026-12-02 (`bench_rms_norm.py --sweep bwd add_bwd`): H = 576 28.4 us against 29.6 for the pipelined
     persistent programs below (inductor's kernel 28.2), H = 1536 70.6 against 74.9, with the residual's
     gradient 93.1 against 95.6; but at H = 576 with the residual's gradient 38.5 against 37.8, which keeps
-    the persistent programs.
+    the persistent programs. Narrower rows (per-head q/k norms) were not timed that way and keep them too:
+    one short row a program would be a very small program.
 
     Up to 2048-wide blocks, with dW (and without it where the above does not apply): one row a program and
     Triton's software pipelining (stages - 1 row blocks in flight in shared memory). Up to 1024 wide,
@@ -361,8 +362,8 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
-    if not need_dw and block_h <= 2048 and not (has_dsum and block_h <= 1024):
-        return 1, (4 if has_dsum else max(1, block_h // 1024)), None, 0
+    if not need_dw and (block_h == 2048 or (block_h == 1024 and not has_dsum)):
+        return 1, (4 if has_dsum else block_h // 1024), None, 0
     if block_h <= 1024:
         return 1, 1, 8, (3 if has_dsum else 4)
     if block_h <= 2048:
