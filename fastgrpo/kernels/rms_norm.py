@@ -144,11 +144,27 @@ def _load_rows(ptr, rows, n_rows, n1, n2, stride0, stride1, stride2, cols, col_m
 
 
 @triton.jit
-def _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DX: tl.constexpr):
-    """(dx, n) of one block of rows from its fp32 input v, incoming gradient dy and (HAS_DSUM) the sum's gradient:
-    rstd is recomputed from v."""
+def _load_bwd_inputs(src_ptr, dy_ptr, dsum_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, dy_s0, dy_s1, dy_s2,
+                     dsum_s0, dsum_s1, dsum_s2, cols, col_mask, HAS_DSUM: tl.constexpr):
+    """A row block's normalised input, incoming gradient and the sum's gradient (without one: the incoming
+    gradient again, unused), as stored."""
+    v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
+    dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
+    dsum = dy
+    if HAS_DSUM:
+        dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+    return v, dy, dsum
+
+
+@triton.jit
+def _bwd_rows(v, dy, dsum, w, eps, H, rows, n_rows, cols, col_mask, dx_ptr,
+              HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DX: tl.constexpr, DX_DTYPE: tl.constexpr,
+              EMULATE_BF16_RTNE: tl.constexpr):
+    """Stores dx of one row block (NEED_DX) from the loaded v, dy and dsum, rstd recomputed from v, and returns
+    the block's fp32 terms of dW, dy * n (dropped by the compiler where no dW is summed)."""
+    v = v.to(tl.float32)
+    dy = dy.to(tl.float32)
     sum_vv = tl.sum(v * v, axis=1)
-    dx = v  # unused unless NEED_DX
     if NEED_DX:
         if HAS_WEIGHT:
             g = dy * w[None, :]
@@ -163,8 +179,10 @@ def _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.co
         mean_gn = rstd * sum_gv / H
         dx = (g - n * mean_gn[:, None]) * rstd[:, None]
         if HAS_DSUM:
-            dx += dsum
-    return dx, n
+            dx += dsum.to(tl.float32)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+    return dy * n
 
 
 @triton.jit
@@ -222,52 +240,33 @@ def _rms_norm_bwd_kernel(
     rows = (pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)).to(tl.int64)  # int64: offsets pass 2**31
 
     if not PERSISTENT:
-        v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask).to(tl.float32)
-        dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask).to(tl.float32)
-        dsum = dy  # unused without the sum's gradient
-        if HAS_DSUM:
-            dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask).to(tl.float32)
-        dx, n = _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM, HAS_WEIGHT, NEED_DX)
-        if NEED_DX:
-            mask = (rows < n_rows)[:, None] & col_mask[None, :]
-            tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+        v, dy, dsum = _load_bwd_inputs(src_ptr, dy_ptr, dsum_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2,
+                                       dy_s0, dy_s1, dy_s2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask, HAS_DSUM)
+        _bwd_rows(v, dy, dsum, w, eps, H, rows, n_rows, cols, col_mask, dx_ptr,
+                  HAS_DSUM, HAS_WEIGHT, NEED_DX, DX_DTYPE, EMULATE_BF16_RTNE)
         return
 
     step = tl.num_programs(0) * BLOCK_ROW
     if NEED_DW:
         dw_acc = tl.zeros((BLOCK_ROW, BLOCK_H), dtype=tl.float32)
     if PIPELINE_STAGES == 0:
-        v_next = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
-        dy_next = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
-        if HAS_DSUM:
-            dsum_next = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask)
+        v_next, dy_next, dsum_next = _load_bwd_inputs(
+            src_ptr, dy_ptr, dsum_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, dy_s0, dy_s1, dy_s2,
+            dsum_s0, dsum_s1, dsum_s2, cols, col_mask, HAS_DSUM)
     # num_stages 0 leaves the loop unpipelined (as a plain range); > 1 pipelines loads that feed no dot.
     for _ in tl.range(pid * BLOCK_ROW, n_rows, step, num_stages=PIPELINE_STAGES):
         if PIPELINE_STAGES == 0:
-            v = v_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            dsum = dy  # unused without the sum's gradient
-            if HAS_DSUM:
-                dsum = dsum_next.to(tl.float32)
-            next_rows = rows + step
-            v_next = _load_rows(src_ptr, next_rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask)
-            dy_next = _load_rows(dy_ptr, next_rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask)
-            if HAS_DSUM:
-                dsum_next = _load_rows(dsum_ptr, next_rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
-                                       col_mask)
+            v, dy, dsum = v_next, dy_next, dsum_next
+            v_next, dy_next, dsum_next = _load_bwd_inputs(
+                src_ptr, dy_ptr, dsum_ptr, rows + step, n_rows, n1, n2, src_s0, src_s1, src_s2, dy_s0, dy_s1, dy_s2,
+                dsum_s0, dsum_s1, dsum_s2, cols, col_mask, HAS_DSUM)
         else:
-            v = _load_rows(src_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2, cols, col_mask).to(tl.float32)
-            dy = _load_rows(dy_ptr, rows, n_rows, n1, n2, dy_s0, dy_s1, dy_s2, cols, col_mask).to(tl.float32)
-            dsum = dy
-            if HAS_DSUM:
-                dsum = _load_rows(dsum_ptr, rows, n_rows, n1, n2, dsum_s0, dsum_s1, dsum_s2, cols,
-                                  col_mask).to(tl.float32)
-        dx, n = _bwd_block(v, dy, dsum, w, eps, H, HAS_DSUM, HAS_WEIGHT, NEED_DX)
-        if NEED_DX:
-            mask = (rows < n_rows)[:, None] & col_mask[None, :]
-            tl.store(dx_ptr + rows[:, None] * H + cols[None, :], _cast(dx, DX_DTYPE, EMULATE_BF16_RTNE), mask=mask)
+            v, dy, dsum = _load_bwd_inputs(src_ptr, dy_ptr, dsum_ptr, rows, n_rows, n1, n2, src_s0, src_s1, src_s2,
+                                           dy_s0, dy_s1, dy_s2, dsum_s0, dsum_s1, dsum_s2, cols, col_mask, HAS_DSUM)
+        dw_terms = _bwd_rows(v, dy, dsum, w, eps, H, rows, n_rows, cols, col_mask, dx_ptr,
+                             HAS_DSUM, HAS_WEIGHT, NEED_DX, DX_DTYPE, EMULATE_BF16_RTNE)
         if NEED_DW:
-            dw_acc += dy * n
+            dw_acc += dw_terms
         rows += step
 
     if NEED_DW:
