@@ -225,6 +225,29 @@ def test_pipelined_backward(monkeypatch, stages):
     assert torch.equal(runs[0][0], runs[stages][0]) and torch.equal(runs[0][1], runs[stages][1])
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+def test_contiguous_rows_as_one_leading_dim_or_three(monkeypatch):
+    """Contiguous rows reach the kernels as one leading dim, (n_rows, 1, 1), except in the register-prefetch
+    backward without dW, which keeps them as three, (1, B, T): both addressings give the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    src, dy, dsum = (_make((3, 37, 40), torch.bfloat16, "cpu", "contiguous", gen) for _ in range(3))
+    w = torch.randn(40, generator=gen).to(torch.bfloat16)
+    strided_rows, leads, grads = rms_mod._strided_rows, [], []
+
+    def recording(tensors, *args):
+        out = strided_rows(tensors, *args)
+        leads.append(tuple(out[1]))
+        return out
+
+    monkeypatch.setattr(rms_mod, "_strided_rows", recording)
+    for config in ((4, 1, None, 0), (4, 1, 2, 0)):  # straight through; persistent with register prefetch
+        monkeypatch.setattr(rms_mod, "_bwd_config", lambda *_, c=config: c)
+        with triton_on_cpu():
+            grads.append(torch.ops.fastgrpo.rms_norm_backward(dy, dsum, src, w, 1e-6, 0.0, False, True, False)[0])
+    assert leads == [(111, 1, 1), (1, 3, 37)]
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("H", [576, 1536])

@@ -410,21 +410,27 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (0,) * (3 - len(strides)) + tuple(strides)
 
 
-def _strided_rows(tensors: list[Optional[torch.Tensor]]):
+def _strided_rows(tensors: list[Optional[torch.Tensor]], one_row_dim: bool = True):
     """Bring same-shaped [..., H] tensors (the first one not None) into a layout the kernels index directly: unit stride
-    along H, at most three leading dims (any strides there). Returns the tensors, the leading
-    sizes (n0, n1, n2) and each tensor's leading strides."""
+    along H, rows addressed through at most three leading dims. Returns the tensors, the leading sizes (n0, n1, n2)
+    and each tensor's leading strides.
+
+    With one_row_dim, where every tensor's rows are evenly spaced (contiguous tensors, any 2-D view), the rows are
+    one leading dim, given as (n_rows, 1, 1): Triton specialises arguments equal to 1, so a row's offset is its index
+    times the row stride. Otherwise (per-head q/k norms on transposed 4-D views) the leading dims keep their own
+    strides, and a row's offset takes an int64 division and remainder by each inner leading size. One leading dim
+    against the (1, 1, n_rows) that contiguous rows took before (H200, rows 32768, bf16, 2026-12-02, us): H = 576
+    forward 19.8 against 20.1, backward with dW 32.8 against 33.2, without dW 28.4 against 29.9; H = 1536 backward
+    with dW 77.4 against 78.9; H = 4096 with dW 198.8 against 201.2 (bench/RESULTS.md, RMSNorm)."""
     shape = tensors[0].shape
     H = shape[-1]
-    flatten = len(shape) > 4
-    out = []
-    for t in tensors:
-        if t is not None:
-            if flatten:
-                t = t.reshape(-1, H)  # a view when the leading dims collapse, a copy otherwise
-            if H > 1 and t.stride(-1) != 1:
-                t = t.contiguous()
-        out.append(t)
+    out = [t.contiguous() if t is not None and H > 1 and t.stride(-1) != 1 else t for t in tensors]
+    if one_row_dim and all(t is None or t.dim() <= 2 or t.is_contiguous() for t in out):
+        out = [t.view(-1, H) if t is not None else None for t in out]
+        strides = [(t.stride(0), 0, 0) if t is not None else (0, 0, 0) for t in out]
+        return out, (out[0].shape[0], 1, 1), strides
+    if len(shape) > 4:
+        out = [t.reshape(-1, H) if t is not None else None for t in out]  # a view when the leading dims collapse
     lead = tuple(out[0].shape[:-1])
     lead = (1,) * (3 - len(lead)) + lead
     strides = [_row_strides(t) if t is not None else (0, 0, 0) for t in out]
@@ -485,11 +491,15 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
     n_rows = src.numel() // H if H else 0
     if n_rows == 0 or H == 0:
         return dx, (torch.zeros_like(weight) if weight_grad else src.new_empty(0))
-    (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src])
-    if weight is not None:
-        weight = weight.contiguous()
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
+    # The register-prefetch programs without dW (rows of 4096 and wider) keep the rows as (1, 1, n_rows): at
+    # H = 4096 one leading dim made them slower, 225.8 against 197.8 us (H200, 2026-12-02; not understood).
+    one_row_dim = weight_grad or programs_per_sm is None or stages > 0
+    (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src],
+                                                                            one_row_dim)
+    if weight is not None:
+        weight = weight.contiguous()
     if weight_grad and programs_per_sm is None:
         raise ValueError("fastgrpo::rms_norm: a backward with dW needs persistent programs (a fixed number of "
                          "partial sums); _bwd_config returned no programs per SM")
