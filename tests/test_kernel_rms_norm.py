@@ -248,6 +248,38 @@ def test_contiguous_rows_as_one_leading_dim_or_three(monkeypatch):
     assert torch.equal(grads[0], grads[1])
 
 
+@settings(max_examples=200, deadline=None)
+@given(n_row_blocks=st.integers(1, 200_000), programs_per_sm=st.sampled_from([2, 4, 8]),
+       sms=st.sampled_from([1, 78, 114, 132]))
+def test_persistent_programs_share_row_blocks_evenly(n_row_blocks, programs_per_sm, sms):
+    """The persistent backward takes no more programs than the device holds, and no program takes more row blocks than
+    the fewest possible: program p takes blocks p, p + P, ..., so the remainder over P programs would otherwise
+    be a tail of programs with one block more than the rest."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rms_mod._dispatch, "multiprocessor_count", lambda _device: sms)
+        programs, most = rms_mod._bwd_programs(torch.device("cpu"), n_row_blocks, programs_per_sm)
+    assert most == programs_per_sm * sms
+    assert 1 <= programs <= min(most, n_row_blocks)
+    fewest_possible = math.ceil(n_row_blocks / most)
+    assert math.ceil(n_row_blocks / programs) == fewest_possible  # the busiest program's blocks
+    assert (programs - 1) * fewest_possible < n_row_blocks  # no program is left without a block
+    if n_row_blocks == 32768 and most == 1056:
+        assert programs == 1024
+
+
+def test_persistent_programs_of_a_symbolic_row_count():
+    """In a compiled graph the row count is a symbol: the programs stay an expression of it (no specialisation)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    rows = env.create_unspecified_symint_and_symbol(32768, ConstantSource("rows"), DimDynamic.DYNAMIC)
+    with_symbol = rms_mod._bwd_programs(torch.device("cpu"), rows, 8)[0]
+    assert isinstance(with_symbol, torch.SymInt) and not env.guards
+    assert with_symbol.node.expr.xreplace({rows.node.expr: 32768}) == rms_mod._bwd_programs(
+        torch.device("cpu"), 32768, 8)[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("H", [576, 1536])

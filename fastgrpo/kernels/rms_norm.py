@@ -345,6 +345,11 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
     _dw_reduce_config's 8 columns; with the residual's gradient 43.4 against 55.3), H = 1536 82.2
     against 89.3; without dW (a frozen norm weight, as under LoRA), H = 576 29.7 against 35.9 (37.9
     against 43.2), H = 1536 74.8 against 77.6 (95.2 against 99.3).
+    One exception, 1024-wide blocks with dW and without the residual's gradient: 2 rows a program (one a warp),
+    6 programs per SM, 3 stages, the best of 59 configurations around it (one program more per SM or one stage
+    more took 41 us, the landscape is that uneven). H200, H = 576, 2026-12-02, 5 rounds in turns:
+    31.98 against 32.49 us; fwd+bwd with dW 0.0521 / 0.0522 against 0.0527 / 0.0527 ms in two runs of
+    bench_rms_norm.py. With the residual's gradient it was level (40.81 against 40.94), and stays as above.
 
     Wider rows (stages 0): each program keeps two row blocks of every input in registers (this one
     and the prefetched next), so the block shrinks as inputs are added:
@@ -363,6 +368,8 @@ def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) ->
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
     if not need_dw and (block_h == 2048 or (block_h == 1024 and not has_dsum)):
         return 1, (4 if has_dsum else block_h // 1024), None, 0
+    if block_h == 1024 and need_dw and not has_dsum:
+        return 2, 2, 6, 3
     if block_h <= 1024:
         return 1, 1, 8, (3 if has_dsum else 4)
     if block_h <= 2048:
@@ -395,13 +402,20 @@ def _dw_reduce_config(most_programs: int) -> tuple[int, int, int]:
 
 
 def _bwd_programs(device: torch.device, n_row_blocks, programs_per_sm: Optional[int]):
-    """(programs of a backward launch, the most it can have on this device). With dW these are persistent
-    programs whose number is fixed per device, so the fp32 partial sums (hence dW) are bit-reproducible.
-    torch.sym_min: in a compiled graph the row count is a symbol, and a plain min would specialise on it."""
+    """(programs of a backward launch, the most it can have on this device). Persistent programs share the row
+    blocks evenly: each takes ceil(blocks / most) of them, and the programs are as few as that needs. With the
+    most programs instead, a remainder of programs took one block more than the rest, a tail in which only they
+    ran (32768 rows over 1056 programs: 32 programs at 32 rows, 1024 at 31; now 1024 programs at 32). H200,
+    rows 32768, bf16, 2026-12-02, best of 3 rounds in turns: the register-prefetch backward without dW at
+    H = 4096 194.2 against 197.7 us (512 programs against 528); every other persistent form within 0.5 us
+    either way.
+    The number depends only on the row count and the device, so the fp32 partial sums (hence dW) are
+    bit-reproducible. In a compiled graph the row count is a symbol, and these stay expressions of it."""
     if programs_per_sm is None:
         return n_row_blocks, n_row_blocks
     most = programs_per_sm * _dispatch.multiprocessor_count(device)
-    return torch.sym_max(1, torch.sym_min(n_row_blocks, most)), most
+    blocks_per_program = _dispatch.cdiv(n_row_blocks, most)
+    return _dispatch.cdiv(n_row_blocks, blocks_per_program), most
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
