@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.kernels import rms_norm as rms_mod
@@ -251,6 +251,7 @@ def test_contiguous_rows_as_one_leading_dim_or_three(monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(n_row_blocks=st.integers(1, 200_000), programs_per_sm=st.sampled_from([2, 4, 8]),
        sms=st.sampled_from([1, 78, 114, 132]))
+@example(n_row_blocks=32768, programs_per_sm=8, sms=132)  # the benchmark's rows on the H200, always run
 def test_persistent_programs_share_row_blocks_evenly(n_row_blocks, programs_per_sm, sms):
     """The persistent backward takes no more programs than the device holds, and no program takes more row blocks than
     the fewest possible: program p takes blocks p, p + P, ..., so the remainder over P programs would otherwise
