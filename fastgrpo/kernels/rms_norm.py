@@ -100,9 +100,12 @@ def _rms_norm_fwd_kernel(
     BLOCK_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
+    EARLY_DEPENDENTS: tl.constexpr,  # see _early_dependents
 ):
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()  # launched as a programmatic dependent: the kernel before has finished
+        if EARLY_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
     eps, offset = _fp32_scalars(eps, offset)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     cols = tl.arange(0, BLOCK_H)
@@ -281,11 +284,14 @@ def _dw_reduce_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
+    EARLY_DEPENDENTS: tl.constexpr,  # see _early_dependents
 ):
     """dw[c] = sum over p of partial[p, c], in a fixed order (deterministic), rounded once.
     DEPENDENT_LAUNCH: wait here until the backward has finished and its partials are visible."""
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()
+        if EARLY_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < H
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
@@ -401,6 +407,18 @@ def _dw_reduce_config(most_programs: int) -> tuple[int, int, int]:
     return block_p, 8, max(1, min(16, block_p // 64))
 
 
+def _early_dependents(H: int) -> bool:
+    """Whether the forward and the dW reduction, launched as programmatic dependents, let the kernel after them
+    launch as soon as all their programs have started (`gdc_launch_dependents`; otherwise it launches when they
+    end): rows up to 1024 wide, where the kernels are short and the boundaries between them a larger share. H200,
+    rows 32768, bf16, fwd + bwd with dW, HEAD and this in turns, CUDA graphs, 2026-12-03: H = 576 52.75 against
+    53.03 us (7 of 7 rounds), in another call 52.81 against 53.07, with the residual add 79.78 against 79.85;
+    level at 1536 and 4096 and slightly behind at 8192 with the residual add (1035.7 against 1034.1, 0 of 7
+    rounds), presumably as the persistent backward's programs then take their places on SMs the forward still
+    occupies, unevenly."""
+    return _block_h(H) <= 1024
+
+
 def _bwd_programs(device: torch.device, n_row_blocks, programs_per_sm: Optional[int]):
     """(programs of a backward launch, the most it can have on this device). Persistent programs share the row
     blocks evenly: each takes ceil(blocks / most) of them, and the programs are as few as that needs. With the
@@ -493,6 +511,7 @@ def _forward_triton(x, residual, weight, eps, offset, weight_in_fp32, out_dtype)
         BLOCK_ROW=block_row,
         BLOCK_H=_block_h(H),
         **_dispatch.dependent_launch_args(x),
+        EARLY_DEPENDENTS=_early_dependents(H),
         num_warps=num_warps,
     )
     return y, s
@@ -558,6 +577,7 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         BLOCK_P=block_p,
         BLOCK_C=block_c,
         **dependent_launch,
+        EARLY_DEPENDENTS=_early_dependents(H),
         num_warps=num_warps,
     )
     return dx, dw
