@@ -411,7 +411,7 @@ def _early_dependents(H: int) -> bool:
     """Whether the forward and the dW reduction, launched as programmatic dependents, let the kernel after them
     launch as soon as all their programs have started (`gdc_launch_dependents`; otherwise it launches when they
     end): rows up to 1024 wide, where the kernels are short and the boundaries between them a larger share. H200,
-    rows 32768, bf16, fwd + bwd with dW, HEAD and this in turns, CUDA graphs, 2026-12-03: H = 576 52.75 against
+    rows 32768, bf16, fwd + bwd with dW, with and without it in turns, CUDA graphs, 2026-12-03: H = 576 52.75 against
     53.03 us (7 of 7 rounds), in another call 52.81 against 53.07, with the residual add 79.78 against 79.85;
     level at 1536 and 4096 and slightly behind at 8192 with the residual add (1035.7 against 1034.1, 0 of 7
     rounds), presumably as the persistent backward's programs then take their places on SMs the forward still
