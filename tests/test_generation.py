@@ -1,10 +1,15 @@
-"""EmbeddedGenerator: same greedy tokens as model.generate, sampling filters, EOS handling, no weight copy."""
+"""EmbeddedGenerator and its rollout engine: same greedy tokens as model.generate on every decoder family the engine
+runs (others fall back with one warning), sampling as model.generate samples, EOS handling, finished rows dropping
+out, the compiled decode layer compiled once, no weight copy."""
+import warnings
+
 import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from fastgrpo.integrations.generation import EmbeddedGenerator, sample_next_token
+from fastgrpo.integrations.generation import EmbeddedGenerator, GenerationFallbackWarning, sample_next_token
+from fastgrpo.integrations.generation.kv import RolloutCache
 
 VOCAB, PAD, EOS = 256, 0, 2
 PROMPT_LENGTHS = (5, 11, 3, 8)
@@ -33,7 +38,7 @@ def prompts(seed=0):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model, prompt_ids, max_new_tokens, eos=EOS):
+def hf_greedy(model, prompt_ids, max_new_tokens, eos=EOS, **generate_kwargs):
     """model.generate on the left-padded batch, completions cut after the first EOS like TRL does."""
     width = max(map(len, prompt_ids))
     ids = torch.full((len(prompt_ids), width), PAD)
@@ -43,7 +48,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens, eos=EOS):
         mask[row, width - len(p) :] = 1
     out = model.generate(
         input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=PAD,
+        eos_token_id=eos, pad_token_id=PAD, **generate_kwargs,
     )[:, width:].tolist()  # fmt: skip
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
@@ -89,9 +94,11 @@ def test_eos_truncation_and_early_stop():
     expected = hf_greedy(model, batch, 20, eos=eos)
     assert expected[0] == free_run[0][:5]
 
+    generator = EmbeddedGenerator(model, PAD, [eos, VOCAB + 1], max_new_tokens=20)
+    generator.generate(batch, temperature=0)  # the first call also checks itself against one plain forward
     calls = []
     hook = model.model.register_forward_hook(lambda *args: calls.append(1))
-    got = EmbeddedGenerator(model, PAD, [eos, VOCAB + 1], max_new_tokens=20).generate(batch, temperature=0)
+    got = generator.generate(batch, temperature=0)
     hook.remove()
     assert got == expected
     for row in got:
@@ -120,13 +127,14 @@ def test_generates_from_the_live_weights_without_copying_them():
 
     assert {name: (p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()} == before
     assert model.training, "training mode must be restored"
-    # The generator holds the model and its KV cache, nothing weight-sized of its own.
+    # The generator holds the model and its KV cache (on the attention modules), nothing weight-sized of its own.
     own = [v for v in vars(generator).values() if isinstance(v, torch.Tensor)]
     assert own == []
-    cache = generator._cache
-    kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    heads, head_dim, layers = 1, 32, 2
-    assert kv_bytes == 2 * layers * len(PROMPT_LENGTHS) * heads * cache.get_max_length() * head_dim * 4
+    caches = [m._fastgrpo_kv for m in model.modules() if "_fastgrpo_kv" in m.__dict__]
+    kv_bytes = sum(t.numel() * t.element_size() for kv in caches for t in kv)
+    heads, head_dim, layers, slots = 1, 32, 2, max(PROMPT_LENGTHS) + 10
+    assert len(caches) == layers
+    assert kv_bytes == 2 * layers * len(PROMPT_LENGTHS) * heads * slots * head_dim * 4
 
     # An in-place optimizer-style update is seen by the next call: there is no stale copy.
     with torch.no_grad():
@@ -157,13 +165,15 @@ def test_cache_is_reused_and_grown_only_when_needed():
     model = tiny_lm("llama")
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
     generator.generate(prompts(), temperature=0)
-    cache = generator._cache
+    attention = model.model.layers[0].self_attn
+    cache = attention._fastgrpo_kv[0]
     shorter = [p[:2] for p in prompts()]
     assert generator.generate(shorter, temperature=0) == hf_greedy(model, shorter, 8, eos=VOCAB + 1)
-    assert generator._cache is cache
+    assert attention._fastgrpo_kv[0] is cache
     longer = [p * 3 for p in prompts()]
     assert generator.generate(longer, temperature=0) == hf_greedy(model, longer, 8, eos=VOCAB + 1)
-    assert generator._cache is not cache and generator._cache.get_max_length() == 3 * max(PROMPT_LENGTHS) + 8
+    assert attention._fastgrpo_kv[0] is not cache
+    assert attention._fastgrpo_kv[0].shape[2] == 3 * max(PROMPT_LENGTHS) + 8
 
 
 def test_a_callers_autocast_is_turned_off():
@@ -173,24 +183,26 @@ def test_a_callers_autocast_is_turned_off():
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert generator.generate(prompts(), temperature=0) == expected
-    assert generator._cache.layers[0].keys.dtype == torch.float32
+    assert model.model.layers[0].self_attn._fastgrpo_kv[0].dtype == torch.float32
 
 
-def test_compiled_decode_step_traces_as_one_graph():
-    """The decode step (HF forward with LoRA + StaticCache + sampling) compiles with fullgraph=True, also with the
-    embedding hook that training under gradient checkpointing installs.
-
-    The eager backend keeps the test fast: it checks Dynamo's tracing (no graph break) and the
-    results, not inductor's code generation.
-    """
+def test_compiled_decode_layer_traces_as_one_graph_shared_by_every_layer():
+    """The decode step's decoder layer (HF layer with LoRA, rollout attention) compiles with fullgraph=True once for
+    all layers, also with the embedding hook that training under gradient checkpointing installs, and never again
+    for later tokens or calls. The eager backend keeps the test fast: it checks Dynamo's tracing and the results,
+    not inductor's code generation."""
     torch._dynamo.reset()
     model = with_lora(tiny_lm("qwen2"))
     # What TRL/PEFT add for gradient checkpointing: a hook calling requires_grad_ (untraceable) on the embeddings.
     model.enable_input_require_grads()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10, compile=True, compile_backend="eager")
     batch = prompts()
-    assert generator.generate(batch, temperature=0) == hf_greedy(model, batch, 10, eos=VOCAB + 1)
-    assert generator.generate(batch, temperature=0.8, top_k=1) == hf_greedy(model, batch, 10, eos=VOCAB + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        assert generator.generate(batch, temperature=0) == hf_greedy(model, batch, 10, eos=VOCAB + 1)
+        assert generator.engine.backend.compiles == 1
+        assert generator.generate(batch, temperature=0.8, top_k=1) == hf_greedy(model, batch, 10, eos=VOCAB + 1)
+    assert generator.engine.backend.compiles == 1
 
 
 def test_sampling_filters():
@@ -207,12 +219,222 @@ def test_sampling_filters():
     assert (low_temperature == 0).float().mean() > 0.99
 
 
-@pytest.mark.gpu
-def test_cuda_graph_decode_matches_model_generate():
-    model = with_lora(tiny_lm("qwen2")).cuda()
+def _strict():
+    """A context in which a fallback warning fails the test."""
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.simplefilter("error", GenerationFallbackWarning)
+    return context
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3"])
+def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
+    """Windows shorter than the prompt + completion, Gemma-2's softcap, gpt-oss's sinks, alternating layer kinds: the
+    compiled step equals model.generate, one graph per layer kind, none after the first decode step."""
+    from fastgrpo.compiler.tiny import tiny_model
+
+    torch._dynamo.reset()
+    overrides = dict(vocab_size=VOCAB, initializer_range=0.5, sliding_window=4)
+    if arch in ("gemma3", "gpt_oss", "qwen3"):
+        overrides["layer_types"] = ["sliding_attention", "full_attention"]
+    if arch == "qwen3":
+        overrides["use_sliding_window"] = True
+    model = tiny_model(arch, **overrides).eval()
     batch = prompts()
-    expected = hf_greedy(model, batch, 24, eos=VOCAB + 1)
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=24)  # CUDA: compiled, CUDA graphs
-    assert generator.generate(batch, temperature=0) == expected
-    assert generator.generate(batch, temperature=0) == expected  # graph replay
-    assert generator.generate(batch, temperature=1.0, top_k=1) == expected
+    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14, compile=True, compile_backend="eager")
+    context = _strict()
+    try:
+        assert generator.generate(batch, temperature=0) == expected
+        compiles = generator.engine.backend.compiles
+        assert compiles == len(set(getattr(model.config, "layer_types", None) or ["one"]))
+        assert generator.generate(batch, temperature=0) == expected
+        assert generator.engine.backend.compiles == compiles
+    finally:
+        context.__exit__(None, None, None)
+
+
+def test_repetition_penalty_matches_model_generate():
+    model = tiny_lm("llama")
+    batch = prompts()
+    expected = hf_greedy(model, batch, 12, eos=VOCAB + 1, repetition_penalty=1.7)
+    assert expected != hf_greedy(model, batch, 12, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
+    assert generator.generate(batch, temperature=0, repetition_penalty=1.7) == expected
+
+
+def test_finished_rows_drop_out_to_smaller_batches():
+    """Rows that end early leave the batch: the step continues on the running rows (a smaller batch, one compile
+    more for its shape), with the same tokens as model.generate."""
+    torch._dynamo.reset()
+    model = tiny_lm("qwen2")
+    batch = [prompts()[0]] * 12 + prompts()[1:] + [prompts(1)[0]]
+    free_run = hf_greedy(model, batch, 24, eos=VOCAB + 1)
+    eos = free_run[0][2]  # the first prompt's rows stop early at this token
+    expected = hf_greedy(model, batch, 24, eos=eos)
+    lengths = sorted(map(len, expected))
+    assert lengths[0] < 8 and lengths[-1] == 24, lengths
+    generator = EmbeddedGenerator(model, PAD, [eos], max_new_tokens=24, compile=True, compile_backend="eager",
+                                  min_batch=1)
+    context = _strict()
+    try:
+        assert generator.generate(batch, temperature=0) == expected
+    finally:
+        context.__exit__(None, None, None)
+    sizes = sorted(generator.engine._buffers.batches)
+    assert sizes[0] < len(batch) and sizes[-1] == len(batch), sizes
+    assert generator.engine.backend.compiles == 2  # the full batch's shape, then one dynamic graph for the rest
+
+
+def test_logprobs_are_the_trainers():
+    """The log-prob returned with each sampled token is log-softmax(logits / T) of the model's plain forward."""
+    model = with_lora(tiny_lm("llama"))
+    batch = prompts()
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=6)
+    ids, logprobs = generator.generate(batch, temperature=0.7, return_logprobs=True)
+    for prompt, completion, got in zip(batch, ids, logprobs):
+        sequence = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float() / 0.7
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_tokens_follow_the_models_distribution():
+    """Many rows of one prompt, one sampled token each: frequencies match softmax(logits / T) after top-k, within
+    sampling noise (a fixed seed; 4000 draws over a 16-token vocabulary)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, initializer_range=0.1, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompt = [3, 7, 5]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.8
+    kept = logits.topk(6).indices
+    probs = torch.full_like(logits, float("-inf")).scatter(0, kept, logits[kept]).softmax(-1)
+    generator = EmbeddedGenerator(model, 0, [99], max_new_tokens=1)
+    draws = torch.tensor([c[0] for c in generator.generate([prompt] * 4000, temperature=0.8, top_k=6)])
+    frequencies = torch.bincount(draws, minlength=16).float() / len(draws)
+    assert set(draws.unique().tolist()) <= set(kept.tolist())
+    assert (frequencies - probs).abs().max() < 0.03
+
+
+def test_a_recompile_storm_falls_back_to_uncompiled_layers_once(monkeypatch):
+    """A value that changes per token reaching the compiled layer's guards (here the cache's token count, an int
+    Dynamo specialises on) recompiles every step: the engine stops at its limit, warns once naming the model, and
+    finishes uncompiled."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    model = tiny_lm("llama")
+    batch = prompts()
+    expected = hf_greedy(model, batch, 16, eos=VOCAB + 1)
+
+    original = RolloutCache.update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key_states, value_states = original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return key_states * (1 + 0 * self.seen_tokens), value_states
+
+    monkeypatch.setattr(RolloutCache, "update", update)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=16, compile=True, compile_backend="eager")
+    with pytest.warns(GenerationFallbackWarning, match="LlamaForCausalLM.*(RecompileStorm|FailOnRecompileLimitHit)") as w:
+        assert generator.generate(batch, temperature=0) == expected
+    assert len(w) == 1 and generator.fallback == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        assert generator.generate(batch, temperature=0) == expected
+
+
+def test_a_model_the_engine_cannot_run_falls_back_to_generate_once():
+    """GPT-J's attention does not go through transformers' AttentionInterface: one warning naming the model and the
+    reason, then model.generate (same tokens), and no further warning."""
+    from fastgrpo.compiler.tiny import tiny_model
+
+    model = tiny_model("gptj", vocab_size=VOCAB, initializer_range=0.5, rotary_dim=8).eval()
+    batch = prompts()
+    expected = hf_greedy(model, batch, 8, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
+    with pytest.warns(GenerationFallbackWarning, match="GPTJForCausalLM.*AttentionInterface") as w:
+        assert generator.generate(batch, temperature=0) == expected
+    assert len(w) == 1 and generator.fallback == "generate"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        assert generator.generate(batch, temperature=0) == expected
+
+
+def _family_cases():
+    from bench.coverage import causal_lm_archs
+
+    return causal_lm_archs()
+
+
+@pytest.mark.parametrize("arch", _family_cases())
+def test_every_decoder_family_decodes_or_falls_back_with_one_warning(arch):
+    """Every causal LM of the installed transformers (the coverage sweep's list), tiny and random-init: the engine's
+    compiled step (guard-only backend) gives model.generate's greedy tokens and compiles only in the first decode
+    step, or the generator warns once, names the model and the reason, and returns model.generate's tokens. Never a
+    silent difference. Models that transformers' own generate cannot run at this size are skipped."""
+    from bench.coverage import tiny_causal_lm
+
+    torch._dynamo.reset()
+    try:
+        model = tiny_causal_lm(arch).eval()
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"cannot be built tiny: {type(error).__name__}: {error}")
+    vocab = model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        for p in model.parameters():  # peaked logits: greedy tokens vary and ties are unlikely
+            if p.dim() > 1:
+                p.mul_(4)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    try:
+        expected = hf_greedy(model, batch, 8, eos=vocab + 5)
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"transformers' generate fails on the tiny model: {type(error).__name__}: {error}")
+    generator = EmbeddedGenerator(model, PAD, [vocab + 5], max_new_tokens=8, compile=True, compile_backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generator.generate(batch, temperature=0)
+    fallbacks = [w for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+    assert got == expected
+    if generator.fallback is None:
+        assert not fallbacks
+        backend = generator.engine.backend
+        assert set(backend.compile_steps) <= {1}, backend.compile_steps  # compiled in the first decode step only
+        compiles = backend.compiles
+        assert generator.generate(batch, temperature=0) == expected
+        assert backend.compiles == compiles
+    else:
+        assert len(fallbacks) == 1 and type(generator.model).__name__ in str(fallbacks[0].message)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_cuda_graph_decode_matches_model_generate(arch):
+    """On CUDA: inductor-compiled layers, the step captured per batch size, the decode attention kernel; the tokens of
+    model.generate, also after finished rows drop out to smaller batches."""
+    from fastgrpo.compiler.tiny import tiny_model
+
+    torch._dynamo.reset()
+    if arch == "gemma3":
+        model = tiny_model("gemma3", vocab_size=VOCAB, initializer_range=0.5, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"]).eval()
+    else:
+        model = tiny_lm(arch)
+    model = with_lora(model).cuda()
+    batch = [p for p in prompts() for _ in range(4)]
+    expected = hf_greedy(model, batch, 40, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=40)  # CUDA: compiled, CUDA graphs
+    context = _strict()
+    try:
+        assert generator.generate(batch, temperature=0) == expected
+        assert generator.generate(batch, temperature=0) == expected  # graph replay
+        assert generator.generate(batch, temperature=1.0, top_k=1) == expected
+        eos = expected[0][3]
+        early = hf_greedy(model, batch, 40, eos=eos)
+        stopping = EmbeddedGenerator(model, PAD, [eos], max_new_tokens=40, min_batch=1, check_finished_every=4)
+        assert stopping.generate(batch, temperature=0) == early
+        assert len(stopping.engine._buffers.batches) > 1
+    finally:
+        context.__exit__(None, None, None)

@@ -262,7 +262,12 @@ def train_on_learnable_reward(tokenizer, tmp_path, seed=0, **config):
     logs = [log for log in trainer.state.log_history if "reward" in log]
     assert len(logs) == steps and all(math.isfinite(log["loss"]) for log in logs)
     assert trainer._embedded_generator is not None  # completions came from fastgrpo's generator
+    assert trainer._embedded_generator.fallback is None
     assert not torch._dynamo.utils.counters["graph_break"]  # the decoder compiled as one graph
+    # The generator's log-probs agree with the loss forward's: importance ratios within [0.9, 1.1] (fp32 on CPU; bf16
+    # autocast on the GPU, where the sampler computes LoRA in bf16 as autocast does).
+    agreement = [log["sampling/ratio_outside_0.9_1.1"] for log in logs]
+    assert max(agreement) <= (0.0 if config.get("use_cpu", True) else 0.01), agreement
     return trainer, [log["reward"] for log in logs]
 
 

@@ -149,9 +149,10 @@ class GRPOConfig(TRLGRPOConfig):
     fastgrpo_embedded_generation: bool = field(
         default=True,
         metadata={
-            "help": "Without vLLM, sample completions with fastgrpo's EmbeddedGenerator (static KV cache, CUDA-graph "
-            "decode step on CUDA) instead of transformers' generate. Falls back to TRL's path for multimodal "
-            "prompts, repetition_penalty != 1, generation_kwargs, and DeepSpeed/FSDP."
+            "help": "Without vLLM, sample completions with fastgrpo's EmbeddedGenerator (its own KV cache and decode "
+            "attention, compiled decoder layer, CUDA-graph decode steps on CUDA) instead of transformers' generate. "
+            "TRL's path serves multimodal prompts, generation_kwargs, and DeepSpeed/FSDP; a model the engine cannot "
+            "run falls back to model.generate with one warning."
         },
     )
     fastgrpo_mini_batch: int | str | None = field(
@@ -666,30 +667,41 @@ class GRPOTrainer(TRLGRPOTrainer):
                 eos_token_ids=self.eos_token_ids,
                 max_new_tokens=self.max_completion_length,
             )
-        # TRL's sampler already repeats each prompt num_generations times in prompt_ids.
+        # TRL's sampler already repeats each prompt num_generations times in prompt_ids. The sampler's log-probs go
+        # back to TRL as vLLM's do (`sampling_per_token_logps`), for the agreement metric and off-policy masking.
         with profiling_context(self, "fastgrpo.EmbeddedGenerator.generate"):
-            completion_ids = self._embedded_generator.generate(
-                prompt_ids, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None, min_p=self.min_p
+            completion_ids, logprobs = self._embedded_generator.generate(
+                prompt_ids, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty, return_logprobs=True,
             )
-        return completion_ids, None
+        return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.use_vllm:
-            self._log_sampler_agreement(output)
+            self._log_sampler_agreement(output.get("old_per_token_logps"), output)
         return output
 
-    def _log_sampler_agreement(self, output) -> None:
-        """Log the share of completion tokens whose importance ratio exp(trainer - vLLM log-prob) is outside
-        [0.9, 1.1]. Needs the old-policy log-probs, which TRL computes with vLLM unless
-        vllm_importance_sampling_correction=False (and steps are aligned)."""
-        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
-        if old is None or sampled is None:
+    def _compute_loss(self, model, inputs):
+        # The embedded generator's log-probs are compared with the loss forward's own (no extra forward).
+        self._fastgrpo_sampled = None if self.use_vllm else inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._fastgrpo_sampled = None
+
+    def _log_sampler_agreement(self, trainer_logps, output) -> None:
+        """Log the share of completion tokens whose importance ratio exp(trainer - sampler log-prob) is outside
+        [0.9, 1.1]. With vLLM the trainer's side is the old-policy log-probs, which TRL computes unless
+        vllm_importance_sampling_correction=False (and steps are aligned); with the embedded generator it is the
+        loss forward's."""
+        sampled = output.get("sampling_per_token_logps")
+        if trainer_logps is None or sampled is None:
             return
         mask = output["completion_mask"].bool()
         if output.get("tool_mask") is not None:
             mask = mask & output["tool_mask"].bool()
-        log_ratio = (old - sampled)[mask]
+        log_ratio = (trainer_logps.detach() - sampled)[mask]
         log_ratio = log_ratio[~torch.isnan(log_ratio)]
         outside = ((log_ratio < math.log(0.9)) | (log_ratio > math.log(1.1))).sum()
         counts = torch.stack([outside, torch.tensor(log_ratio.numel(), device=outside.device)]).double()
@@ -704,7 +716,6 @@ class GRPOTrainer(TRLGRPOTrainer):
             and not self.use_transformers_continuous_batching
             and images is None
             and not multimodal_fields
-            and self.repetition_penalty == 1.0
             and self.args.generation_kwargs is None
             and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         )
@@ -763,9 +774,13 @@ class GRPOTrainer(TRLGRPOTrainer):
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
             head.prompt_columns = input_ids.size(1) - logits_to_keep
-        return super()._get_per_token_logps_and_entropies(
+        result = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=rows, compute_entropy=compute_entropy, **kwargs
         )
+        sampled = getattr(self, "_fastgrpo_sampled", None)
+        if sampled is not None and torch.is_grad_enabled():
+            self._log_sampler_agreement(result[0], sampled)
+        return result
 
 
 _ORIGINALS = {}

@@ -1,0 +1,417 @@
+"""The rollout engine: batched sampling from a transformers causal LM over a KV cache it owns.
+
+One call: a prefill of the left-padded prompts (eager), then one decode step per token. The decode step is the
+model's own forward (any architecture: `kv.py` says how its attention reaches the cache) with
+
+- each decoder layer compiled once and shared by every layer of its kind (a layer's cache tensors are its inputs,
+  never its index), for the step's pointwise work;
+- on CUDA the whole step (embedding, layers, head, sampling, EOS bookkeeping) captured as one CUDA graph per batch
+  size and replayed per token: the host only replays and, every few steps, reads how many rows are still running;
+- finished rows dropping out: once at most half of a batch's rows run, the step continues on the next smaller batch
+  size (powers of two, each its own graph) holding the running rows. Rows keep their cache rows and slots, so
+  nothing is copied: the batch is a list of cache rows.
+
+Every value that changes per token (the slot count, the rows) lives in device tensors that the step updates in
+place, so a captured step replays unchanged and a compiled layer never recompiles per token.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastgrpo.integrations.generation.adapters import CompactAdapters
+from fastgrpo.integrations.generation.kv import (
+    ATTN_IMPLEMENTATION,
+    NotRolloutAttention,
+    RolloutCache,
+    RolloutState,
+    has_layer_cache,
+    release_caches,
+    rollout_context,
+)
+from fastgrpo.integrations.generation.sampling import Sampling, sample
+
+
+class RecompileStorm(RuntimeError):
+    """The compiled decode layer kept compiling: some value that changes per token reaches its guards."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _layer_forward(layer: nn.Module, *args, **kwargs):
+    return layer.forward(*args, **kwargs)
+
+
+def embed_and_forward(decoder: nn.Module, input_ids: torch.Tensor, **kwargs):
+    """Call the decoder eagerly even when `decoder.compile()` gave it a compiled (training) call path.
+
+    The tokens are embedded here with the embedding's own forward, skipping its hooks: those are for training
+    (PEFT's and TRL's `enable_input_require_grads` under gradient checkpointing calls `requires_grad_`, which a
+    traced decode step cannot hold and no-grad sampling does not need)."""
+    kwargs["inputs_embeds"] = decoder.get_input_embeddings().forward(input_ids)
+    if getattr(decoder, "_compiled_call_impl", None) is not None:
+        return decoder._call_impl(**kwargs)
+    return decoder(**kwargs)
+
+
+
+class _CountingBackend:
+    """A torch.compile backend that counts the graphs it compiles and stops a storm of recompiles."""
+
+    def __init__(self, backend: str, limit: int):
+        self.inner = torch._dynamo.lookup_backend(backend)
+        self.limit = limit
+        self.compiles = 0
+        self.step = 0  # the engine's decode step being run
+        self.compile_steps: list[int] = []  # the decode step of each compile
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        self.compile_steps.append(self.step)
+        if self.compiles > self.limit:
+            raise RecompileStorm(
+                f"the decode layer compiled {self.compiles} graphs (limit {self.limit}): a value that changes per "
+                "token or per call reaches its guards"
+            )
+        return self.inner(gm, example_inputs)
+
+
+class EngineMismatch(RuntimeError):
+    """The engine's logits differ from the model's own forward on the same tokens (the model computes something the
+    engine does not reproduce: positions from the token ids, attention modules called twice per layer, ...)."""
+
+
+# Largest KL(model's forward || engine) over the checked positions: fp32 agrees to rounding; half precision differs
+# by the order of its sums (attention kernels, LoRA in bf16) but far below what a wrong position or cache gives (>1).
+_MISMATCH_KL = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+# Logit rows the check compares: the prefill's and the first decode steps' (eager on the first call).
+_PROBE_STEPS = 4
+
+
+@dataclass
+class _Batch:
+    """A decode step for `size` rows: which cache rows they are, and its captured graph (keyed by sampling)."""
+
+    rows: torch.Tensor
+    graph: tuple | None = None
+    eager_runs: int = 0
+
+
+@dataclass
+class _Buffers:
+    """Per-cache-row state the step reads and writes in place (allocated for `rows` cache rows)."""
+
+    rows: int
+    slots: int
+    state: RolloutState  # start [rows], length (0-d): slots written
+    prompt_len: torch.Tensor  # 0-d: the padded prompt length (slot of completion token 0)
+    last: torch.Tensor  # [rows] the token each row feeds next
+    finished: torch.Tensor  # [rows] bool
+    completion: torch.Tensor  # [rows, max_new_tokens]
+    logprobs: torch.Tensor  # [rows, max_new_tokens] fp32: log-prob of each sampled token (temperature applied)
+    seen: torch.Tensor | None = None  # [rows, vocab] bool, for the repetition penalty
+    batches: dict = field(default_factory=dict)  # size -> _Batch
+
+
+class RolloutEngine:
+    """Prefill and decode for one model; reuses its cache, buffers, compiled layers and graphs across calls.
+
+    Args:
+        compile_layers: compile the decoder layer for the decode step (with `backend`).
+        cuda_graphs: capture each batch size's decode step as a CUDA graph (CUDA only).
+        pad_to_multiple_of: round the padded prompt length and the cache length up to it, so that caches and graphs
+            are reused across calls.
+        check_every: decode steps between the host's reads of how many rows still run.
+        min_batch: the smallest batch a compacted step runs (smaller compactions save little).
+        compile_limit: graphs the compiled layer may compile before the engine gives up (`RecompileStorm`).
+        verify: on the first call, check the engine's logits against the model's own forward (`EngineMismatch`).
+    """
+
+    def __init__(self, pad_token_id: int, eos_token_ids: list[int], max_new_tokens: int, *, compile_layers: bool,
+                 backend: str, cuda_graphs: bool, pad_to_multiple_of: int, check_every: int, min_batch: int = 8,
+                 compile_limit: int = 8, verify: bool = True):
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = eos_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.cuda_graphs = cuda_graphs
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.check_every = check_every
+        self.min_batch = min_batch
+        self.backend = _CountingBackend(backend, compile_limit) if compile_layers else None
+        self._compiled_layer = (
+            torch.compile(_layer_forward, backend=self.backend, fullgraph=True) if compile_layers else None
+        )
+        self._verify = verify
+        self._probe: list[torch.Tensor] | None = None  # logits kept for the check: prefill's, first step's
+        self._buffers: _Buffers | None = None
+        self._decoder: nn.Module | None = None
+        self._pool = None
+        self._adapters = CompactAdapters()
+        self._cache = RolloutCache()
+        self.steps = 0  # decode steps run, for tests and logs
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the KV cache, the buffers and the captured graphs."""
+        if self._decoder is not None:
+            release_caches(self._decoder)
+        self._buffers = None
+        self._pool = None
+
+    def _ensure_buffers(self, decoder: nn.Module, rows: int, slots: int, vocab: int, device, penalty: bool) -> _Buffers:
+        b = self._buffers
+        if b is None or b.rows < rows or b.slots < slots or b.last.device != device or self._decoder is not decoder:
+            self.release()  # the layers' caches are allocated again at this call's prefill
+            self._decoder = decoder
+            long = dict(dtype=torch.long, device=device)
+            state = RolloutState(rows=torch.arange(rows, device=device), start=torch.zeros(rows, **long),
+                                 length=torch.zeros((), **long), cache_rows=rows, slots=slots)
+            b = _Buffers(
+                rows=rows, slots=slots, state=state, prompt_len=torch.zeros((), **long),
+                last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
+                completion=torch.zeros(rows, self.max_new_tokens, **long),
+                logprobs=torch.zeros(rows, self.max_new_tokens, device=device),
+            )  # fmt: skip
+            self._buffers = b
+        if penalty and (b.seen is None or b.seen.shape[1] != vocab):
+            b.seen = torch.zeros(b.rows, vocab, dtype=torch.bool, device=device)
+            b.batches.clear()  # graphs captured without the penalty's buffer
+        return b
+
+    def _batch(self, b: _Buffers, size: int) -> _Batch:
+        batch = b.batches.get(size)
+        if batch is None:
+            batch = b.batches[size] = _Batch(rows=torch.arange(size, device=b.last.device))
+        return batch
+
+    @contextlib.contextmanager
+    def _decoding(self, decoder: nn.Module, state: RolloutState):
+        """The model set up for rollout attention with compact adapters, in eval mode, autocast off; all restored
+        afterwards."""
+        configs = {id(m.config): m.config for m in decoder.modules()
+                   if hasattr(getattr(m, "config", None), "_attn_implementation")}
+        saved = {key: config._attn_implementation for key, config in configs.items()}
+        was_training = decoder.training
+        decoder.eval()
+        try:
+            for config in configs.values():
+                config._attn_implementation = ATTN_IMPLEMENTATION
+            with self._adapters.swapped(decoder), torch.autocast(decoder.device.type, enabled=False), \
+                    rollout_context(state):
+                yield
+        finally:
+            for key, config in configs.items():
+                config._attn_implementation = saved[key]
+            decoder.train(was_training)
+
+    @contextlib.contextmanager
+    def _compiled_layers(self, decoder: nn.Module):
+        """Every decoder layer called through the one compiled layer function (restored afterwards). The layers are
+        the module list whose members hold the attention modules the prefill gave a cache."""
+        if self._compiled_layer is None:
+            yield
+            return
+        layers = _decoder_layers(decoder)
+        saved = [layer.__dict__.get("_compiled_call_impl") for layer in layers]
+        try:
+            for layer in layers:
+                layer._compiled_call_impl = functools.partial(self._compiled_layer, layer)
+            yield
+        finally:
+            for layer, call in zip(layers, saved):
+                layer._compiled_call_impl = call
+
+    # ---- one call ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, decoder: nn.Module, prompts: list[list[int]], sampling: Sampling
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(completions [rows, generated], pad after a row's first EOS; their tokens' log-probs under the sampling
+        temperature, before top-k/top-p/min-p), one row per prompt."""
+        device = next(decoder.parameters()).device
+        batch = len(prompts)
+        multiple = self.pad_to_multiple_of
+        prompt_len = round_up(max(len(p) for p in prompts), multiple)
+        slots = round_up(prompt_len + self.max_new_tokens, multiple)
+        vocab = decoder.get_output_embeddings().weight.shape[0]
+        penalty = sampling.repetition_penalty != 1.0
+        b = self._ensure_buffers(decoder, batch, slots, vocab, device, penalty)
+        state = b.state
+
+        input_ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, prompt_len - len(p):] = torch.tensor(p)
+        start = torch.tensor([prompt_len - len(p) for p in prompts])
+        input_ids, start = input_ids.to(device), start.to(device)
+        state.start.zero_()[:batch] = start
+        state.length.fill_(prompt_len)
+        b.prompt_len.fill_(prompt_len)
+        b.finished.fill_(True)
+        b.completion.fill_(self.pad_token_id)
+        b.logprobs.zero_()
+        if penalty:  # as transformers' RepetitionPenaltyLogitsProcessor: every token of the padded prompt row
+            b.seen.zero_()[:batch].scatter_(1, input_ids, True)
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        self._probe = [] if self._verify else None
+
+        with self._decoding(decoder, state):
+            logits = self._prefill(decoder, input_ids, start, b, batch)
+            first, first_logprobs = sample(logits, sampling, b.seen[:batch] if penalty else None)
+            b.last[:batch] = first
+            b.finished[:batch] = torch.isin(first, eos)
+            b.completion[:batch, 0] = first
+            b.logprobs[:batch, 0] = first_logprobs
+            if penalty:
+                b.seen[torch.arange(batch, device=device), first] = True
+            generated = 1
+            size = batch
+            current = self._batch(b, size)
+            current.rows.copy_(torch.arange(size, device=device))
+            with self._compiled_layers(decoder):
+                while generated < self.max_new_tokens:
+                    if generated % self.check_every == 0:
+                        running = int((~b.finished[:batch]).sum())
+                        if running == 0:
+                            break
+                        smaller = max(self.min_batch, 1 << max(0, math.ceil(math.log2(running))))
+                        probing = self._probe is not None and len(self._probe) < _PROBE_STEPS
+                        if smaller < size and running <= size // 2 and not probing:
+                            size = smaller
+                            current = self._batch(b, size)
+                            # Running rows first; finished rows fill the rest (their writes land after their EOS).
+                            order = torch.argsort(b.finished[:batch].to(torch.int8), stable=True)
+                            current.rows.copy_(order[:size])
+                    self._run(decoder, current, b, sampling, eos)
+                    generated += 1
+        if self._probe:
+            self._check(decoder, input_ids, b, generated)
+        return b.completion[:batch, :generated], b.logprobs[:batch, :generated]
+
+    def _prefill(self, decoder, input_ids, start, b: _Buffers, batch: int) -> torch.Tensor:
+        state = b.state
+        prompt_len = input_ids.shape[1]
+        positions = (torch.arange(prompt_len, device=input_ids.device)[None] - start[:, None]).clamp(min=0)
+        state.rows = torch.arange(batch, device=input_ids.device)
+        state.prefill, state.prefill_calls = True, 0
+        state.prefill_modules.clear()
+        self._cache.seen_tokens, self._cache.prefill_updates, self._cache.prefilling = 0, 0, True
+        try:
+            logits = embed_and_forward(
+                decoder, input_ids, position_ids=positions, past_key_values=self._cache, use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        finally:
+            state.prefill = self._cache.prefilling = False
+        if state.prefill_calls == 0 or state.prefill_calls != self._cache.prefill_updates:
+            raise NotRolloutAttention(
+                f"{type(decoder).__name__}: {self._cache.prefill_updates} cache updates but {state.prefill_calls} "
+                "calls of the rollout attention in the prefill (some attention does not go through transformers' "
+                "AttentionInterface)"
+            )
+        self._cache.seen_tokens = prompt_len
+        if self._probe is not None:
+            self._probe_rows = torch.nonzero(start == 0)[:2, 0]  # rows without left padding: the longest prompts
+            self._probe.append(logits[self._probe_rows].float().clone())
+            self._probe_dtype = logits.dtype if logits.dtype in _MISMATCH_KL else torch.float16
+        return logits
+
+    def _step(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling, eos: torch.Tensor) -> None:
+        """One decode step for `batch.rows`: feed each row's last token, sample the next, book-keep EOS."""
+        rows = batch.rows
+        state = b.state
+        state.rows = rows
+        state.length.add_(1)
+        positions = (state.length - 1 - state.start[rows])[:, None]
+        logits = embed_and_forward(
+            decoder, b.last[rows][:, None], position_ids=positions, past_key_values=self._cache, use_cache=True,
+        ).logits[:, -1]
+        if self._probe is not None and len(self._probe) < _PROBE_STEPS:
+            self._probe.append(logits[self._probe_rows].float().clone())
+        seen = b.seen[rows] if b.seen is not None and sampling.repetition_penalty != 1.0 else None
+        done = b.finished[rows]
+        tokens, logprobs = sample(logits, sampling, seen)
+        tokens = tokens.masked_fill(done, self.pad_token_id)
+        column = (state.length - b.prompt_len).expand(rows.shape[0])
+        b.last[rows] = tokens
+        b.completion[rows, column] = tokens
+        b.logprobs[rows, column] = logprobs.masked_fill(done, 0.0)
+        b.finished[rows] = done | torch.isin(tokens, eos)
+        if seen is not None:
+            b.seen[rows, tokens] = True
+
+    def _run(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling, eos: torch.Tensor) -> None:
+        self.steps += 1
+        if self.backend is not None:
+            self.backend.step = self.steps
+        self._cache.seen_tokens += 1
+        if not self.cuda_graphs:
+            self._step(decoder, batch, b, sampling, eos)
+            return
+        if batch.graph is not None and batch.graph[0] == sampling:
+            batch.graph[1].replay()
+            return
+        if batch.eager_runs < 1 or self._probe is not None and len(self._probe) < _PROBE_STEPS:
+            # The first step of a batch size runs eagerly: it compiles and warms up (and feeds the check).
+            batch.eager_runs += 1
+            self._step(decoder, batch, b, sampling, eos)
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured, pool=self._pool):
+            self._step(decoder, batch, b, sampling, eos)
+        batch.graph = (sampling, captured)
+        captured.replay()  # capturing records the step without running it
+
+    def _check(self, decoder, input_ids: torch.Tensor, b: _Buffers, generated: int) -> None:
+        """Compare the engine's logits (prefill and the first decode steps) on up to two rows without left padding
+        with the model's plain forward over the same tokens, the forward the trainer scores with; once per engine.
+        `EngineMismatch` when they disagree."""
+        probe, self._probe, self._verify = self._probe, None, False
+        rows = self._probe_rows
+        steps = min(len(probe), generated)
+        ids = torch.cat([input_ids[rows], b.completion[rows, : steps - 1]], dim=1)
+        was_training = decoder.training
+        decoder.eval()
+        layers = _decoder_layers(decoder)
+        saved = [layer.__dict__.get("_compiled_call_impl") for layer in layers]
+        try:
+            for layer in layers:  # eagerly: a compiled training layer would compile a graph for this one forward
+                layer._compiled_call_impl = None
+            with torch.autocast(ids.device.type, enabled=False):
+                reference = decoder(input_ids=ids, use_cache=False).logits
+        finally:
+            for layer, call in zip(layers, saved):
+                layer._compiled_call_impl = call
+            decoder.train(was_training)
+        reference = reference[:, -steps:].float().transpose(0, 1)  # [steps, rows, vocab]
+        engine = torch.stack(probe[:steps])
+        kl = torch.nn.functional.kl_div(engine.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1).max().item()
+        tolerance = _MISMATCH_KL[self._probe_dtype]
+        if not kl <= tolerance:
+            raise EngineMismatch(
+                f"{type(decoder).__name__}: the engine's next-token distribution differs from the model's own forward "
+                f"(KL {kl:.3g} > {tolerance:g})"
+            )
+
+
+def _decoder_layers(decoder: nn.Module) -> nn.ModuleList:
+    """The module list whose members hold the attention modules given a cache (not, say, a vision tower's)."""
+    best, held = None, 0
+    for module in decoder.modules():
+        if isinstance(module, nn.ModuleList) and len({type(child) for child in module}) == 1:
+            count = sum(any(has_layer_cache(m) for m in child.modules()) for child in module)
+            if count > held:
+                best, held = module, count
+    if best is None:
+        raise NotRolloutAttention(f"{type(decoder).__name__} has no list of decoder layers holding attention")
+    return best

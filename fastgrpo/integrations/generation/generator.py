@@ -1,0 +1,221 @@
+"""`EmbeddedGenerator`: GRPO rollouts from the training weights themselves, without vLLM.
+
+It runs the policy's own forward (a PEFT model with its adapters active works as is): no copy of the weights, no
+weight sync. The work is done by `RolloutEngine` (engine.py). What it cannot run falls back, never silently:
+
+- a compile that fails or keeps recompiling: one warning naming the model class and the reason, then the same
+  engine with the decoder layers uncompiled for the rest of the run;
+- a model the engine cannot decode (its attention does not go through transformers' AttentionInterface, a cache
+  of another kind, ...): one warning, then `model.generate` for the rest of the run.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fastgrpo.integrations.generation.engine import RolloutEngine
+from fastgrpo.integrations.generation.kv import release_caches
+from fastgrpo.integrations.generation.sampling import Sampling
+
+
+class GenerationFallbackWarning(UserWarning):
+    """The rollout engine could not run (compiled, or at all) for this model; the warning says why and what runs."""
+
+
+def unwrap_for_generation(model: nn.Module) -> nn.Module:
+    """The module whose forward runs the decoder with any LoRA layers active.
+
+    torch.compile wrappers are peeled off (their compiled graph is the training forward), and a PEFT model gives
+    its base model: LoRA lives in the injected layers, the PeftModel wrapper only forwards.
+    """
+    model = getattr(model, "_orig_mod", model)
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is None or not hasattr(model, "get_base_model"):
+        return model
+    if peft_config.is_prompt_learning:
+        raise NotImplementedError("EmbeddedGenerator supports LoRA-style adapters, not prompt learning")
+    base = model.get_base_model()
+    return getattr(base, "_orig_mod", base)
+
+
+def truncate_after_eos(completion: torch.Tensor, eos_token_ids: list[int]) -> list[list[int]]:
+    """Rows as lists, each cut right after its first EOS (EOS kept); rows without EOS keep everything."""
+    is_eos = torch.isin(completion, torch.tensor(eos_token_ids, device=completion.device))
+    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion.size(1))
+    return [row[:n].tolist() for row, n in zip(completion.cpu(), lengths.tolist())]
+
+
+def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+class EmbeddedGenerator:
+    """Batched sampling from a causal LM's own weights.
+
+    Args:
+        model: a transformers causal LM, a PEFT model around one, or a torch.compile wrapper of either.
+        pad_token_id: fed after a row has finished and used for left padding.
+        eos_token_ids: a row finishes at the first of these; it is kept in the returned completion.
+        max_new_tokens: completion budget per row.
+        compile: compile the decode step's decoder layer; default: on CUDA yes, on CPU no (a short CPU run spends
+            more on the compile than it saves).
+        compile_backend: torch.compile backend for the decoder layer (inductor; "eager" only traces, for tests).
+        cuda_graphs: replay the decode step as CUDA graphs; default: on CUDA.
+        pad_to_multiple_of: round the padded prompt and the cache length up, so that caches and graphs are reused
+            across batches; default 64 on CUDA, 1 on CPU.
+        check_finished_every: decode steps between host reads of how many rows still run; default 16 on CUDA, 1 on
+            CPU (where a read costs nothing).
+        min_batch: the fewest rows a step runs once finished rows drop out (smaller batches save little).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_token_id: int,
+        eos_token_ids: int | Sequence[int],
+        max_new_tokens: int,
+        *,
+        compile: bool | None = None,
+        compile_backend: str = "inductor",
+        cuda_graphs: bool | None = None,
+        pad_to_multiple_of: int | None = None,
+        check_finished_every: int | None = None,
+        min_batch: int = 8,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = [int(eos_token_ids)] if isinstance(eos_token_ids, int) else [int(e) for e in eos_token_ids]
+        if not self.eos_token_ids:
+            raise ValueError("eos_token_ids must name at least one token")
+        self.max_new_tokens = int(max_new_tokens)
+        self._compile = compile
+        self._compile_backend = compile_backend
+        self._cuda_graphs = cuda_graphs
+        self._pad_to_multiple_of = pad_to_multiple_of
+        self._check_finished_every = check_finished_every
+        self._min_batch = min_batch
+        self.engine: RolloutEngine | None = None
+        self.fallback: str | None = None  # None: the engine runs; "eager": uncompiled layers; "generate"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _new_engine(self, compiled: bool) -> RolloutEngine:
+        on_cuda = self.device.type == "cuda"
+        cuda_graphs = on_cuda if self._cuda_graphs is None else self._cuda_graphs
+        return RolloutEngine(
+            self.pad_token_id, self.eos_token_ids, self.max_new_tokens,
+            compile_layers=compiled, backend=self._compile_backend, cuda_graphs=cuda_graphs and on_cuda,
+            pad_to_multiple_of=self._pad_to_multiple_of or (64 if on_cuda else 1),
+            check_every=self._check_finished_every or (16 if on_cuda else 1), min_batch=self._min_batch,
+        )
+
+    def _fall_back(self, to: str, decoder: nn.Module, error: Exception) -> None:
+        what = {"eager": "decoding with uncompiled decoder layers", "generate": "generating with model.generate"}[to]
+        warnings.warn(
+            f"fastgrpo: the rollout engine cannot {'compile' if to == 'eager' else 'run'} {type(decoder).__name__} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); {what} for the rest of "
+            "the run.",
+            GenerationFallbackWarning,
+            stacklevel=3,
+        )
+        self.fallback = to
+        if self.engine is not None:
+            self.engine.release()
+        release_caches(decoder)
+        self.engine = self._new_engine(compiled=False) if to == "eager" else None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        num_generations: int = 1,
+        return_logprobs: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+        """Completion ids for each prompt (each prompt repeated `num_generations` times, copies adjacent); with
+        `return_logprobs`, also each completion token's log-prob as the trainer computes it (log-softmax of the
+        logits over the temperature, before the sampling filters).
+
+        A completion stops after its first EOS (kept, as TRL keeps it) or after `max_new_tokens`. The model is put
+        in eval mode for the call and its training mode restored afterwards; autograd is off (no_grad rather than
+        inference_mode: buffers a forward creates lazily, e.g. rotary caches, must stay usable by the training
+        backward). Generation runs in the weights' dtype with autocast off, LoRA factors in the base's dtype.
+        """
+        if not prompt_ids:
+            return []
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        sampling = Sampling(temperature, top_k or None, top_p, min_p, repetition_penalty)
+        prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
+        decoder = unwrap_for_generation(self.model)
+        if self.fallback != "generate":
+            if self.engine is None:
+                self.engine = self._new_engine(compiled=self._compile if self._compile is not None
+                                               else self.device.type == "cuda")
+            try:
+                completion, logprobs = self.engine.generate(decoder, prompts, sampling)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 - every failure is named in the warning
+                compiled = self.engine.backend is not None
+                self._fall_back("eager" if compiled and _is_compile_failure(error) else "generate", decoder, error)
+                return self.generate(prompt_ids, temperature, top_p, top_k, min_p, repetition_penalty,
+                                     num_generations, return_logprobs)
+        else:
+            completion, logprobs = self._hf_generate(decoder, prompts, sampling)
+        ids = truncate_after_eos(completion, self.eos_token_ids)
+        if not return_logprobs:
+            return ids
+        logprobs = logprobs.cpu()
+        return ids, [logprobs[row, : len(tokens)].tolist() for row, tokens in enumerate(ids)]
+
+    def _hf_generate(self, decoder: nn.Module, prompts: list[list[int]], sampling: Sampling
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model.generate` on the left-padded batch: (completions, their tokens' log-probs as the engine's)."""
+        ids, mask = _left_padded(prompts, self.pad_token_id, self.device)
+        was_training = decoder.training
+        decoder.eval()
+        try:
+            out = decoder.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+                do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
+                top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty, eos_token_id=self.eos_token_ids,
+                pad_token_id=self.pad_token_id, output_logits=True, return_dict_in_generate=True,
+            )
+        finally:
+            decoder.train(was_training)
+        completion = out.sequences[:, ids.shape[1]:]
+        scaled = torch.stack(out.logits, dim=1).float() / (sampling.temperature or 1.0)
+        logprobs = scaled.log_softmax(-1).gather(-1, completion[..., None])[..., 0]
+        return completion, logprobs
+
+
+def _is_compile_failure(error: Exception) -> bool:
+    from fastgrpo.integrations.generation.engine import RecompileStorm
+
+    dynamo_errors = (torch._dynamo.exc.TorchDynamoException,)
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (RecompileStorm, *dynamo_errors)):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

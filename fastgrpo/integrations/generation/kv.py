@@ -1,0 +1,187 @@
+"""The rollout engine's KV cache and the attention function transformers calls with it.
+
+Any transformers decoder whose attention goes through `AttentionInterface` (`attention_interface(self, q, k, v, mask,
+scaling=..., sliding_window=..., softcap=..., s_aux=..., **kwargs)`) decodes on this cache with no per-model code:
+
+- `RolloutCache` is the `past_key_values` the model is called with. Its `update` hands the new keys and values
+  through unchanged: the attention function writes them. So no layer index, Python int or cache length ever
+  reaches a compiled graph; the model's mask builders see an attention implementation with no mask function and
+  build nothing (`masking_utils._preprocess_mask_arguments` exits early).
+- Each attention module owns its layer's cache tensors, attached to it as `_fastgrpo_kv` during the prefill:
+  [rows, kv_heads, slots, head_dim] keys and values. Being module attributes, they are inputs of a compiled
+  decoder layer, so one compiled layer serves every layer of its kind.
+- `RolloutState`, the engine's one forward context (`rollout_context`; read by the attention function whatever
+  keywords a model forwards to it), holds the per-call tensors: which cache row each batch row decodes into, the
+  first valid slot of each cache row (left padding) and the number of written slots, a device tensor advanced inside
+  the captured decode step. A compiled layer reads it as an input; its `rows` tensor differs per batch size.
+
+Slots: a row's prompt fills slots [start, prompt_len) (left-padded), its completion token t slot prompt_len + t.
+The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from fastgrpo.kernels.decode_attention import decode_attention
+
+ATTN_IMPLEMENTATION = "fastgrpo_rollout"
+_KV_ATTRIBUTE = "_fastgrpo_kv"
+
+
+@dataclass
+class RolloutState:
+    """What the attention function needs besides q, k, v (one object per engine; see the module docstring)."""
+
+    rows: torch.Tensor  # [batch] int64: the cache row each batch row reads and writes
+    start: torch.Tensor  # [cache rows] int64: first valid slot of each cache row
+    length: torch.Tensor  # 0-d int64: slots written so far, this step's token included
+    cache_rows: int  # rows of the cache tensors to allocate at the prefill
+    slots: int  # slots of the cache tensors to allocate at the prefill
+    prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
+    prefill_calls: int = 0  # attention calls in the prefill (each layer's must reach this function)
+    prefill_modules: set = field(default_factory=set)  # ids of the attention modules the prefill called
+
+
+class RolloutCache(Cache):
+    """`past_key_values` for the rollout engine: keys and values pass through (the attention function stores them)."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+        self.seen_tokens = 0  # host-side count, for models that ask; never enters a compiled decode step
+        self.prefilling = False
+        self.prefill_updates = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.prefilling:
+            self.prefill_updates += 1
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+_CONTEXT: list[RolloutState | None] = [None]
+
+
+@contextlib.contextmanager
+def rollout_context(state: RolloutState):
+    """Make `state` what the rollout attention reads while the engine runs the model."""
+    previous, _CONTEXT[0] = _CONTEXT[0], state
+    try:
+        yield state
+    finally:
+        _CONTEXT[0] = previous
+
+
+class NotRolloutAttention(RuntimeError):
+    """The model did not call the rollout attention as the engine needs it (the generator falls back)."""
+
+
+def _layer_cache(module, key: torch.Tensor, state: RolloutState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's cache tensors, (re)allocated at the prefill when missing or of another shape/dtype."""
+    kv = module.__dict__.get(_KV_ATTRIBUTE)
+    shape = (state.cache_rows, key.shape[1], state.slots, key.shape[3])
+    if kv is None or kv[0].shape != shape or kv[0].dtype != key.dtype or kv[0].device != key.device:
+        module.__dict__[_KV_ATTRIBUTE] = None  # free the old tensors first
+        kv = (key.new_zeros(shape), key.new_zeros(shape))
+        module.__dict__[_KV_ATTRIBUTE] = kv
+    return kv
+
+
+def has_layer_cache(module: torch.nn.Module) -> bool:
+    return module.__dict__.get(_KV_ATTRIBUTE) is not None
+
+
+def release_caches(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        module.__dict__.pop(_KV_ATTRIBUTE, None)
+
+
+def _window(sliding_window) -> int | None:
+    return int(sliding_window) if sliding_window else None
+
+
+def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      softcap=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: query [b, Hq, q, D], key/value [b, Hkv, q, D] (this call's tokens);
+    returns ([b, q, Hq, D], None)."""
+    state = _CONTEXT[0]
+    if state is None:
+        raise NotRolloutAttention(
+            f"{type(module).__name__} called the rollout attention outside the rollout engine (attn_implementation "
+            f"{ATTN_IMPLEMENTATION!r} is set only while the engine decodes)"
+        )
+    if key.shape[-1] != value.shape[-1]:
+        raise NotRolloutAttention(f"{type(module).__name__}: keys and values of different head dims")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    window = _window(sliding_window)
+    softcap = float(softcap) if softcap else None
+    if not state.prefill:
+        k_cache, v_cache = module.__dict__[_KV_ATTRIBUTE]
+        out = decode_attention(
+            query[:, :, 0], key[:, :, 0], value[:, :, 0], k_cache, v_cache, state.rows, state.start, state.length,
+            scale=scale, window=window, softcap=softcap, sinks=s_aux,
+        )
+        return out[:, None], None
+    state.prefill_calls += 1
+    if id(module) in state.prefill_modules:
+        raise NotRolloutAttention(
+            f"{type(module).__name__} is called more than once per forward: one cache a module cannot hold its calls"
+        )
+    state.prefill_modules.add(id(module))
+    k_cache, v_cache = _layer_cache(module, key, state)
+    return prefill_attention(query, key, value, k_cache, v_cache, state.start, scale, window, softcap, s_aux), None
+
+
+def prefill_attention(query, key, value, k_cache, v_cache, start, scale, window, softcap, sinks):
+    """Write a whole left-padded prompt batch into cache rows [0, b), slots [0, q), and attend causally within it.
+
+    Query slot i sees key slot j when start <= j <= i (and i - j < window); a padding query sees itself only, so no
+    row of the softmax is empty. Returns [b, q, Hq, D]."""
+    b, hq, q_len, d = query.shape
+    hkv = key.shape[1]
+    k_cache[:b, :, :q_len] = key.to(k_cache.dtype)
+    v_cache[:b, :, :q_len] = value.to(v_cache.dtype)
+    slots = torch.arange(q_len, device=query.device)
+    causal = slots[None, :, None] >= slots[None, None, :]
+    visible = causal & (slots[None, None, :] >= start[:b, None, None])
+    if window:
+        visible &= slots[None, :, None] - slots[None, None, :] < window
+    visible |= torch.eye(q_len, dtype=torch.bool, device=query.device)[None]
+    visible = visible[:, None]  # [b, 1, q, k]
+    group = hq // hkv
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if softcap is None and sinks is None:
+        key = key.repeat_interleave(group, dim=1) if group > 1 else key
+        value = value.repeat_interleave(group, dim=1) if group > 1 else value
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale)
+        return out.transpose(1, 2).contiguous()
+    # Softcapped or sink attention: plain maths in fp32, one row at a time (a prefill is once per call).
+    outs = []
+    for row in range(b):
+        qf = query[row].float().reshape(hkv, group, q_len, d)
+        scores = torch.einsum("hgqd,hkd->hgqk", qf, key[row].float()) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible[row, 0][None, None], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(hkv, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hgqk,hkd->hgqd", probs, value[row].float()).reshape(hq, q_len, d))
+    return torch.stack(outs).to(query.dtype).transpose(1, 2).contiguous()
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, rollout_attention)

@@ -1,0 +1,91 @@
+"""Next-token sampling as `model.generate` samples, with no host sync (it runs inside a captured decode step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FILTERED = float("-inf")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """TRL's sampling options. temperature 0 is greedy; top_k None/0, top_p 1, min_p None/0 and
+    repetition_penalty 1 are off."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None: off), got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: logits of tokens already in the row (prompt included) are
+    divided by `penalty` where positive, multiplied where negative. `seen` [rows, vocab] bool."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    min_p: float | None = None,
+) -> torch.Tensor:
+    """Sample one token per row of `logits` [rows, vocab]; greedy (argmax) when temperature == 0.
+
+    Filters apply in `model.generate`'s order (temperature, top-k, top-p, min-p) with its definitions,
+    each keeping at least one token. Sampling uses the exponential-race trick (argmax of p / Exp(1)),
+    which equals multinomial sampling, draws from torch's global RNG and needs no host sync.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    vocab = logits.size(-1)
+    if top_k is not None and 0 < top_k < vocab:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, _FILTERED)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(logits, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, sorted_indices, remove_sorted)
+        logits = logits.masked_fill(remove, _FILTERED)
+    if min_p is not None and min_p > 0:
+        probs = logits.softmax(dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(remove, _FILTERED)
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(1)
+    return (probs / race).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: the repetition penalty (over `seen`), then `sample_next_token`'s filters. Also returns
+    each token's log-prob as the trainer computes it: log-softmax of the logits over the temperature (1 when
+    greedy), before the penalty and the filters."""
+    penalized = logits
+    if sampling.repetition_penalty != 1.0:
+        penalized = penalize_repetitions(logits.float(), seen, sampling.repetition_penalty)
+    tokens = sample_next_token(penalized, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    scaled = logits.float() / (sampling.temperature or 1.0)
+    logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
+    return tokens, logprobs
