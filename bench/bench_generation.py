@@ -1,172 +1,166 @@
-"""Rollout speed: fastgrpo's EmbeddedGenerator vs plain `model.generate` on the same model and prompts.
+"""Rollout speed: fastgrpo's EmbeddedGenerator against the bytes a decode step must read, and against model.generate.
 
-Default (GPU): random-init Qwen2.5-1.5B shape in bf16, 8 prompts x 8 generations of 256 prompt tokens,
-256 new tokens, sampling at temperature 1. The EOS id lies outside the vocabulary so every row runs the
-full 256 tokens in both paths (equal work). Goal: >= 3x tokens/s over model.generate.
+Default (GPU): a random-init Qwen2.5-1.5B shape in bf16 with a PEFT LoRA r=16 adapter active on every projection
+(fp32 factors, as TRL keeps them), sampling at temperature 1, 256-token prompts, these cases (rows x new tokens):
+64x256, 128x512, 256x1024, and `spread`: 128 rows of up to 1024 tokens whose lengths spread over the range (the EOS
+logit is raised so that rows end at random, geometric lengths with a mean near half the maximum). Without the
+spread, the EOS id lies outside the vocabulary and every row runs the full length.
 
-    python bench/bench_generation.py                  # GPU, default shapes
-    python bench/bench_generation.py --tiny           # CPU smoke run on a tiny Qwen2 (eager and compiled)
-    python bench/bench_generation.py --model DIR --device cpu --prompts 2 --generations 8 \
-        --prompt-len 64 --new-tokens 32 --dtype float32 --compile both   # a local model, e.g. SmolLM2
+The limit of a case: every decode step reads the weights once and each running row's written KV once, at the
+measured 4.3 TB/s, plus the prefill's matmuls at 790 TFLOP/s. tokens/s over the tokens/s that limit allows is the
+share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
 
-Prints a markdown table; with $OUT set, also writes $OUT/bench_generation.json.
+    python bench/bench_generation.py                            # GPU, the four cases
+    python bench/bench_generation.py --cases 128x512 --hf       # also time model.generate on the first case
+    python bench/bench_generation.py --shape gemma3-1b          # sliding-window layers
+    python bench/bench_generation.py --tiny                     # CPU smoke run
+Rows are appended to bench/results/bench_generation.jsonl (GPU runs).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.grpo_train_step import SHAPES, build_model, commit, hardware  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
 
-QWEN25_15B = dict(
-    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-    rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
-)  # fmt: skip
-TINY = dict(
-    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-)  # fmt: skip
+RESULTS = REPO / "bench" / "results" / "bench_generation.jsonl"
+BANDWIDTH = 4.3e12  # bytes/s, device copy measured on the H200
+MATMUL = 790e12  # FLOP/s, bf16 matmul measured on the H200
+SPREAD_EOS_BIAS = 5.0  # added to the EOS logit in the spread case (lengths ~ geometric, mean ~ half of 1024)
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny Qwen2 on CPU, small shapes (smoke test)")
-    p.add_argument("--model", help="local HF model directory instead of the random-init Qwen2.5-1.5B shape")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--prompts", type=int, default=None, help="distinct prompts (default 8)")
-    p.add_argument("--generations", type=int, default=None, help="completions per prompt (default 8)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256)")
-    p.add_argument("--new-tokens", type=int, default=None, help="completion tokens (default 256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per path (median reported)")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off", "both"],
-                   help="EmbeddedGenerator decode-step compile; auto = its default for the device")  # fmt: skip
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--cases", default="64x256,128x512,256x1024,spread", help="ROWSxNEW_TOKENS,... and/or spread")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--lora", type=int, default=16, help="LoRA rank (0: no adapter)")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per case (median reported)")
+    p.add_argument("--hf", action="store_true", help="also time model.generate on the first case")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, short rows")
     args = p.parse_args(argv)
-    tiny = args.tiny
-    defaults = dict(
-        device="cpu" if tiny else ("cuda" if torch.cuda.is_available() else "cpu"),
-        dtype="float32" if tiny else "bfloat16",
-        prompts=2 if tiny else 8,
-        generations=2 if tiny else 8,
-        prompt_len=16 if tiny else 256,
-        new_tokens=16 if tiny else 256,
-    )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if tiny and args.compile == "auto":
-        args.compile = "both"
+    if args.tiny:
+        args.shape, args.cases, args.prompt_len, args.repeats = "tiny", "4x8,spread", 8, 1
     return args
 
 
-def build_model(args):
-    dtype = getattr(torch, args.dtype)
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    else:
-        torch.manual_seed(0)
-        config = Qwen2Config(**(TINY if args.tiny else QWEN25_15B))
-        with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.to(args.device).eval()
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def synchronize(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def kv_bytes_per_token(config) -> int:
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 2  # k and v, bf16
 
 
-def reset_peak(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib(device):
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return float("nan")
-
-
-def time_runs(fn, device, repeats):
-    """(first call seconds, median of `repeats` later calls, result of the last call)."""
-    synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    synchronize(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times), result
+def limit_seconds(model, rows_lengths: list[int], prompt_len: int) -> float:
+    """Weights read once per decode step, each running row's KV once, the prefill at the matmul rate."""
+    weights = model_bytes(model)
+    per_token = kv_bytes_per_token(model.config)
+    steps = max(rows_lengths)
+    seconds = 2 * sum(p.numel() for p in model.parameters()) * len(rows_lengths) * prompt_len / MATMUL
+    for t in range(1, steps):
+        running = sum(1 for n in rows_lengths if n > t)
+        seconds += (weights + running * (prompt_len + t) * per_token) / BANDWIDTH
+    return seconds
 
 
 def main(argv=None):
     args = parse_args(argv)
-    model = build_model(args)
-    vocab = model.config.vocab_size
-    never_eos = vocab  # outside the vocabulary: every row generates exactly new_tokens tokens
-    pad = 0
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = build_model(args.shape, dtype, device).eval()
+    vocab = model.config.get_text_config().vocab_size
+    if args.lora:
+        import peft
+
+        config = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=PROJECTIONS,
+                                 init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+    decoder = model.get_base_model() if args.lora else model
+    eos, pad = 1, 0
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    rows = args.prompts * args.generations
-    sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
-
-    def hf_generate():
-        ids = torch.tensor(prompts, device=args.device).repeat_interleave(args.generations, dim=0)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=args.new_tokens,
-                eos_token_id=never_eos, pad_token_id=pad, **sampling,
-            )  # fmt: skip
-        return out[:, ids.size(1) :].tolist()
-
-    compile_choices = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
-    paths = [("model.generate", hf_generate)]
-    for choice in compile_choices:
-        generator = EmbeddedGenerator(model, pad, [never_eos], args.new_tokens, compile=choice)
-        compiled = choice if choice is not None else torch.device(args.device).type == "cuda"
-        name = f"EmbeddedGenerator ({'compiled' if compiled else 'eager'})"
-        paths.append((name, lambda gen=generator: gen.generate(prompts, num_generations=args.generations, **sampling)))
-
-    results = []
-    for name, fn in paths:
-        reset_peak(args.device)
-        first, median, out = time_runs(fn, args.device, args.repeats)
-        tokens = sum(len(row) for row in out)
-        assert len(out) == rows and tokens == rows * args.new_tokens, (name, len(out), tokens)
-        results.append(dict(path=name, first_call_s=first, median_s=median, tokens=tokens,
-                            tokens_per_s=tokens / median, peak_gib=peak_gib(args.device)))  # fmt: skip
-    baseline = results[0]["tokens_per_s"]
-    for r in results:
-        r["speedup"] = r["tokens_per_s"] / baseline
-
-    shape = "tiny Qwen2" if args.tiny else (args.model or "Qwen2.5-1.5B shape (random init)")
-    print(f"\n{shape}, {args.dtype}, {args.device}, {args.prompts}x{args.generations} rows, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}\n")  # fmt: skip
-    print("| path | first call s | median s | tokens/s | speedup | peak GiB |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['path']} | {r['first_call_s']:.2f} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} "
-              f"| {r['speedup']:.2f}x | {r['peak_gib']:.2f} |")  # fmt: skip
-    if os.environ.get("OUT"):
-        meta = dict(vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-        path = Path(os.environ["OUT"]) / "bench_generation.json"
-        path.write_text(json.dumps(dict(config=meta, results=results), indent=2))
-        print(f"\nwrote {path}")
+    rows_out = []
+    hf_done = False
+    for case in args.cases.split(","):
+        spread = case == "spread"
+        rows, new = (128, 1024) if spread and not args.tiny else (4, 16) if spread else map(int, case.split("x"))
+        prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(rows)]
+        head = decoder.get_output_embeddings()
+        hook = None
+        if spread:  # raise the EOS logit so rows end at random
+            hook = head.register_forward_hook(lambda m, i, out: out.index_add_(
+                -1, torch.tensor([eos], device=out.device), torch.full_like(out[..., :1], SPREAD_EOS_BIAS)))
+        generator = EmbeddedGenerator(model, pad, [eos if spread else vocab], new)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        torch.manual_seed(0)
+        sync()
+        start = time.perf_counter()
+        generator.generate(prompts)
+        sync()
+        first = time.perf_counter() - start
+        times, lengths = [], []
+        for _ in range(args.repeats):
+            torch.manual_seed(0)
+            sync()
+            start = time.perf_counter()
+            out = generator.generate(prompts)
+            sync()
+            times.append(time.perf_counter() - start)
+            lengths = [len(row) for row in out]
+        if hook is not None:
+            hook.remove()
+        seconds = statistics.median(times)
+        tokens = sum(lengths)
+        limit = limit_seconds(decoder, lengths, args.prompt_len)
+        row = dict(path="EmbeddedGenerator", shape=args.shape, rows=rows, new_tokens=new, spread=spread,
+                   mean_length=tokens / rows, lora=bool(args.lora), prompt_len=args.prompt_len, seconds=seconds,
+                   first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
+                   share_of_limit=limit / seconds, fallback=generator.fallback,
+                   batches=sorted(generator.engine._buffers.batches) if generator.engine else None)
+        rows_out.append(row)
+        print("RESULT " + json.dumps(row), flush=True)
+        generator.engine and generator.engine.release()
+        if args.hf and not hf_done:
+            hf_done = True
+            ids = torch.tensor(prompts, device=device)
+            sync()
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                               top_k=0, max_new_tokens=new, eos_token_id=vocab, pad_token_id=pad)
+            sync()
+            hf = time.perf_counter() - start
+            row = dict(row, path="model.generate", seconds=hf, first_call_s=None, tokens_per_s=rows * new / hf,
+                       share_of_limit=limit / hf, fallback=None, batches=None)
+            rows_out.append(row)
+            print("RESULT " + json.dumps(row), flush=True)
+    print(f"\n{args.shape}, {dtype}, {device}, LoRA r={args.lora}, prompt {args.prompt_len}\n")
+    print("| path | rows x new | mean length | first call s | s | tokens/s | limit tokens/s | share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows_out:
+        first = "-" if r["first_call_s"] is None else f"{r['first_call_s']:.1f}"
+        name = f"{r['rows']}x{r['new_tokens']}" + (" spread" if r["spread"] else "")
+        print(f"| {r['path']} | {name} | {r['mean_length']:.0f} | {first} | {r['seconds']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r['limit_tokens_per_s']:.0f} | {100 * r['share_of_limit']:.0f} % |")
+    if device == "cuda":
+        stamp = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), hardware=hardware(),
+                     command=" ".join(["python", "bench/bench_generation.py", *(argv or sys.argv[1:])]))
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with RESULTS.open("a") as out:
+            for r in rows_out:
+                out.write(json.dumps(dict(stamp, **r)) + "\n")
 
 
 if __name__ == "__main__":

@@ -413,3 +413,21 @@ def test_patch_trl_swaps_the_public_names():
     finally:
         F.unpatch_trl()
     assert trl.GRPOTrainer is StockGRPOTrainer and trl.GRPOConfig is StockGRPOConfig
+
+
+def test_the_log_prob_head_keeps_the_models_signature_for_generate(tokenizer):
+    """transformers' generate passes `logits_to_keep` and `position_ids` only to a forward whose signature names them:
+    with the head installed, a prefill still computes the last position's logits alone (not [rows, prompt, vocab])."""
+    import inspect
+
+    model = tiny_model(tokenizer).eval()
+    head = F.LogprobHead(temperature=1.0, cast_lm_head_to_fp32=False, logprob_chunk=8,
+                         backbone=F.CompiledBackbone(False, None))
+    head.install(model)
+    assert {"logits_to_keep", "position_ids"} <= set(inspect.signature(model.forward).parameters)
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, inputs, out: shapes.append(tuple(out.shape)))
+    ids = torch.randint(3, VOCAB, (2, 7))
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                   pad_token_id=tokenizer.pad_token_id)
+    assert shapes == [(2, 1, VOCAB)] * 3

@@ -32,6 +32,7 @@ unchanged. What changes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -381,6 +382,10 @@ class LogprobHead:
         logit_scale = _logit_scale(text_config)
         softcap = float(getattr(text_config, "final_logit_softcapping", None) or 0.0)
 
+        # The model's own signature, seen through `__wrapped__`: generate() passes `logits_to_keep` and
+        # `position_ids` only to forwards that name them (without it, every prefill computed the logits of every
+        # prompt position, [rows, prompt, vocab]).
+        @functools.wraps(type(model).forward)
         def fastgrpo_forward(
             self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
         ):
