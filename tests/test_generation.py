@@ -117,6 +117,25 @@ def test_num_generations_repeats_each_prompt_adjacently():
     assert out == [single[0]] * 3 + [single[1]] * 3
 
 
+def test_the_prefill_runs_each_distinct_prompt_once():
+    """GRPO's groups repeat a prompt: one prefill row per distinct prompt, its keys and values copied to the rows of
+    its completions, which then sample independently."""
+    model = tiny_lm("qwen2")
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
+    batch = prompts()[:3]
+    generator.generate(batch, temperature=0, num_generations=4)  # the first call also checks itself
+    widths = []
+    hook = model.model.register_forward_hook(lambda module, args, kwargs, out: widths.append(
+        kwargs["inputs_embeds"].shape[:2]), with_kwargs=True)
+    greedy = generator.generate(batch, temperature=0, num_generations=4)
+    torch.manual_seed(0)
+    sampled = generator.generate(batch, temperature=1.0, num_generations=4)
+    hook.remove()
+    assert widths[0] == (3, max(PROMPT_LENGTHS[:3]))  # three prompt rows, not twelve
+    assert greedy == [row for row in hf_greedy(model, batch, 8, eos=VOCAB + 1) for _ in range(4)]
+    assert len({tuple(row) for row in sampled[:4]}) > 1  # the copies of one prompt sample apart
+
+
 def test_generates_from_the_live_weights_without_copying_them():
     model = with_lora(tiny_lm("llama"))
     model.train()

@@ -262,8 +262,17 @@ class RolloutEngine:
         eos = torch.tensor(self.eos_token_ids, device=device)
         self._probe = [] if self._verify else None
 
+        # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once and its keys and
+        # values are copied to the rows of its completions.
+        distinct = {}
+        source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+        firsts = torch.tensor([prompts.index(list(p)) for p in distinct], device=device)
         with self._decoding(decoder, state):
-            logits = self._prefill(decoder, input_ids, start, b, batch)
+            logits = self._prefill(decoder, input_ids[firsts], start[firsts], b, len(distinct))[source]
+            if len(distinct) < batch:
+                _spread_prompt_rows(decoder, source, prompt_len)
+            if self._probe is not None:
+                self._probe[0] = self._probe[0][source[self._probe_rows]]
             first, first_logprobs = sample(logits, sampling, b.seen[:batch] if penalty else None)
             b.last[:batch] = first
             b.finished[:batch] = torch.isin(first, eos)
@@ -296,8 +305,12 @@ class RolloutEngine:
         return b.completion[:batch, :generated], b.logprobs[:batch, :generated]
 
     def _prefill(self, decoder, input_ids, start, b: _Buffers, batch: int) -> torch.Tensor:
+        """The prompts' forward: keys and values into cache rows [0, batch), the last position's logits. While it
+        runs, `state.start` holds these rows' starts (it is set for the completion rows afterwards)."""
         state = b.state
         prompt_len = input_ids.shape[1]
+        row_starts = state.start.clone()
+        state.start[:batch] = start
         positions = (torch.arange(prompt_len, device=input_ids.device)[None] - start[:, None]).clamp(min=0)
         state.rows = torch.arange(batch, device=input_ids.device)
         state.prefill, state.prefill_calls = True, 0
@@ -317,9 +330,10 @@ class RolloutEngine:
                 "AttentionInterface)"
             )
         self._cache.seen_tokens = prompt_len
+        state.start.copy_(row_starts)
         if self._probe is not None:
-            self._probe_rows = torch.nonzero(start == 0)[:2, 0]  # rows without left padding: the longest prompts
-            self._probe.append(logits[self._probe_rows].float().clone())
+            self._probe_rows = torch.nonzero(row_starts == 0)[:2, 0]  # rows without left padding: the longest prompts
+            self._probe.append(logits.float())  # all prefill rows; generate() keeps the probe rows
             self._probe_dtype = logits.dtype if logits.dtype in _MISMATCH_KL else torch.float16
         return logits
 
@@ -402,6 +416,14 @@ class RolloutEngine:
                 f"{type(decoder).__name__}: the engine's next-token distribution differs from the model's own forward "
                 f"(KL {kl:.3g} > {tolerance:g})"
             )
+
+
+def _spread_prompt_rows(decoder: nn.Module, source: torch.Tensor, prompt_len: int) -> None:
+    """Row i of every layer's cache takes the prompt slots of row source[i] (the prefill filled rows [0, distinct))."""
+    for module in decoder.modules():
+        if has_layer_cache(module):
+            for cache in module._fastgrpo_kv:
+                cache[: len(source), :, :prompt_len] = cache[source, :, :prompt_len]
 
 
 def _decoder_layers(decoder: nn.Module) -> nn.ModuleList:
