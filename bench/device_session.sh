@@ -73,7 +73,16 @@ run_step() {
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
     offload_save) step offload_save 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_save --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
-    generation) step generation 120 "$OURS" python3 bench/bench_generation.py ;;
+    # Rollouts: the engine's tokens/s against the weight + KV read limit (GENERATION_ARGS, e.g. --shape gemma3-1b),
+    # and its decode attention kernel against SDPA over the whole cache.
+    generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
+    decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
+    # The whole GRPO step (trainer.train(): generation, scoring, update) of fastgrpo's trainer and stock TRL's, one
+    # process each, for each of TRAIN_SHAPES (bench/grpo_train_step.py's names) and TRAIN_SYSTEMS.
+    train_step)
+      for shape in ${TRAIN_SHAPES:-qwen2.5-1.5b}; do for system in ${TRAIN_SYSTEMS:-fastgrpo trl}; do
+        step "train_${shape}_${system}" ${TRAIN_CAP:-240} "$OURS" python3 bench/grpo_train_step.py --system $system --shape $shape
+      done; done ;;
     long_run) step long_run ${LONG_RUN_CAP:-200} "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
     # 2 GPUs (nvidia-h200-x2): DDP throughput of 2 GPUs against one process alone on one GPU, and the 2-GPU tests
     # of tests/test_distributed.py (DDP and FSDP2 through accelerate == 1 GPU; FSDP2 + inductor).
@@ -148,4 +157,6 @@ for s in $STEPS; do
     run_step "$s"
   fi
 done
+# The JSON lines every bench appended to bench/results/ in this tree come back with $OUT.
+mkdir -p "$OUT/results" && cp bench/results/*.jsonl "$OUT/results/" 2>/dev/null
 [ -f "$OUT/grpo_step.jsonl" ] && python3 bench/grpo_step.py --merge "$OUT"/grpo_step.jsonl $(ls "$OUT"/unsloth_step.jsonl 2>/dev/null)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -247,9 +246,6 @@ def main(argv=None):
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         with RESULTS.open("a") as out:
             out.write(json.dumps(row) + "\n")
-        if os.environ.get("OUT"):
-            with (Path(os.environ["OUT"]) / "grpo_train_step.jsonl").open("a") as out:
-                out.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
