@@ -30,7 +30,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
+from fastgrpo.kernels import act_mul as _act_mul_op, gated_mlp as _gated_mlp_op  # noqa: F401  (register the ops)
 from fastgrpo.passes._fx import (
     erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, other_operand, propagate_meta, shape,
