@@ -57,6 +57,7 @@ from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
+from fastgrpo.integrations.unwrap import causal_lm_of
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
 
@@ -625,7 +626,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                     args.fastgrpo_packing == "auto" and self.accelerator.device.type == "cuda") else 0.0)
                 if self._packing_on() else None,
             )
-            head.install(self._causal_lm(target))
+            head.install(causal_lm_of(target))
             self._fastgrpo_heads.append(head)
         if self._offload_on():
             self._offload_checkpointing()
@@ -638,7 +639,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         # region each, and a first layer whose input needs no grad would compile a second layer graph (offloading
         # swaps the leaf the hook makes for an alias that autograd does not hold through the backward).
         needed = reentrant or self._offload_on()
-        keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=needed)
+        keep_one_input_require_grads_hook(causal_lm_of(self.model), needed=needed)
 
     def _offload_checkpointing(self) -> None:
         """Checkpoint the policy's decoder layers with their inputs in host memory.
@@ -648,7 +649,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         checkpointing flag now switches the offloading, so `Trainer.train()`'s
         `gradient_checkpointing_enable()` and TRL's disable/enable around generation and no-grad passes
         pause and resume it rather than stacking HF's checkpoint on top."""
-        policy = self._causal_lm(self.model)
+        policy = causal_lm_of(self.model)
         if self.args.fastgrpo_compile:
             compile_repeated_blocks(policy, options=self._compile_options(), dynamic=True, offload_checkpointing=True)
         else:
@@ -741,10 +742,6 @@ class GRPOTrainer(TRLGRPOTrainer):
 
     def _packing_on(self) -> bool:
         return self.args.fastgrpo_packing in (True, "auto")
-
-    def _causal_lm(self, model):
-        model = self.accelerator.unwrap_model(model)
-        return model.get_base_model() if is_peft_model(model) else model
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
