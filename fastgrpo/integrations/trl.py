@@ -52,6 +52,7 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.report import GraphBreakLog
 from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
@@ -716,29 +717,10 @@ class GRPOTrainer(TRLGRPOTrainer):
         return choice is True or auto
 
     def _compile_options(self) -> dict | None:
-        """The backend options, the user's winning. Under gradient checkpointing each layer's forward runs twice.
-        With offloaded checkpointing (the CUDA default) the gated-MLP op keeps only x: the checkpoint's recompute
-        skips the MLP (the op is told its output feeds only the residual add), so the projections are recomputed
-        once, in the op's backward. On the H200 at 4096-token completions that stepped as fast as the op keeping
-        gate/up (792 ms both) at 4.75 against 5.88 GiB padded; packed (prompt 256, completions spread over
-        10-100 % of 4096) in 480 ms at 4.27 GiB against 503 ms at 5.25 GiB for the act_mul form. With HF's own
-        checkpointing the recompute cannot skip, so on CUDA with padded batches the op keeps gate/up instead
-        (12.5 vs 18.2 GiB at 16384 completions against the act_mul form, 1-2 % slower), and packed batches take the
-        act_mul form (683 ms at 5.97 GiB against 706 ms at 7.96 GiB with the op keeping gate/up, prompt 1024). On
-        CPU, where memory is not what limits, the act_mul form too (the main job's step: 5.9 s against 9.3 s with
-        the op's torch path)."""
-        options = self.args.fastgrpo_compile_options
-        user_chose_form = bool({"absorb_mlp_projections", "save_mlp_projections"} & set(options or {}))
-        if not self.args.gradient_checkpointing or user_chose_form:
-            return options
-        on_cuda = self.accelerator.device.type == "cuda"
-        if on_cuda and self._offload_on():
-            form = {}
-        elif on_cuda and not self._packing_on():
-            form = {"save_mlp_projections": True}
-        else:
-            form = {"absorb_mlp_projections": False}
-        return {**form, **(options or {})}
+        """The backend options: the user's, plus the gated-MLP form `training_options` picks for this run."""
+        return training_options(self.args.fastgrpo_compile_options, device_type=self.accelerator.device.type,
+                                checkpointing=self.args.gradient_checkpointing, offload=self._offload_on(),
+                                packing=self._packing_on())
 
     def _packing_on(self) -> bool:
         return self.args.fastgrpo_packing in (True, "auto")
