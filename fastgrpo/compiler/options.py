@@ -76,13 +76,13 @@ def training_options(options: dict | None, *, device_type: str, checkpointing: b
     form for the situation. Under gradient checkpointing each layer's forward runs twice, so the form depends on
     what the checkpoint's recompute does:
 
-    | device | checkpointing | offloaded | packed | form                                   | option added                 |
-    |--------|---------------|-----------|--------|----------------------------------------|------------------------------|
-    | any    | no            | -         | -      | the op keeps x (`options` unchanged)   | -                            |
-    | cuda   | yes           | yes       | any    | the op keeps x                         | -                            |
-    | cuda   | yes           | no        | no     | the op keeps gate and up               | save_mlp_projections=True    |
-    | cuda   | yes           | no        | yes    | act_mul                                | absorb_mlp_projections=False |
-    | cpu    | yes           | any       | any    | act_mul                                | absorb_mlp_projections=False |
+    | device | checkpointing | offloaded | packed | form                                 | option added                 |
+    |--------|---------------|-----------|--------|--------------------------------------|------------------------------|
+    | any    | no            | -         | -      | the op keeps x (`options` unchanged) | -                            |
+    | cuda   | yes           | yes       | any    | the op keeps x                       | -                            |
+    | cuda   | yes           | no        | no     | the op keeps gate and up             | save_mlp_projections=True    |
+    | cuda   | yes           | no        | yes    | act_mul                              | absorb_mlp_projections=False |
+    | cpu    | yes           | any       | any    | act_mul                              | absorb_mlp_projections=False |
 
     Why (H200, Qwen2.5-1.5B GRPO step, `bench/grpo_step.py`):
     - offloaded: the recompute skips the MLP (the op is told its output feeds only the residual add), so the op
