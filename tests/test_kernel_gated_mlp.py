@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastgrpo.kernels import gated_mlp as gated_mlp_module
+from fastgrpo.kernels import _lora_gemm, _row_chunks
 from fastgrpo.kernels._dispatch import triton_on_cpu
-from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp
+from fastgrpo.kernels.act_mul import act_mul
+from fastgrpo.kernels.gated_mlp import gated_mlp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Relative to the largest reference magnitude. Low-precision results round g and u to the base
@@ -33,11 +34,11 @@ def path_ctx(path):
 @contextlib.contextmanager
 def rows_per_chunk(rows):
     """Force gated_mlp to walk x in chunks of `rows` rows (None: its own sizing, one chunk at test sizes)."""
-    previous, gated_mlp_module.ROWS_PER_CHUNK = gated_mlp_module.ROWS_PER_CHUNK, rows
+    previous, _row_chunks.ROWS_PER_CHUNK = _row_chunks.ROWS_PER_CHUNK, rows
     try:
         yield
     finally:
-        gated_mlp_module.ROWS_PER_CHUNK = previous
+        _row_chunks.ROWS_PER_CHUNK = previous
 
 
 def act64(t, activation):
@@ -576,10 +577,10 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
         ub = rand(inter, rank, dtype=adapters)
         da, db = rand(rank, inter, dtype=adapters), rand(out_width, rank, dtype=adapters)
         factors = (ga, gb, ua, ub)
-        assert gated_mlp_module._joined_weight(w_gate, w_up, factors, rows) is None  # the torch path
+        assert _lora_gemm.joined_weight(w_gate, w_up, factors, rows) is None  # the torch path
         with path_ctx("triton"):
-            assert (gated_mlp_module._joined_weight(w_gate, w_up, factors, rows) is not None) == joined
-            assert gated_mlp_module._joined_weight(w_gate, w_up, factors, rows=2) is None  # a decode step
+            assert (_lora_gemm.joined_weight(w_gate, w_up, factors, rows) is not None) == joined
+            assert _lora_gemm.joined_weight(w_gate, w_up, factors, rows=2) is None  # a decode step
         leaves = [t for t in dict.fromkeys((x, ga, gb, ua, ub, da, db)) if t is not None]
         g = x.float() @ w_gate.float().T + (0.5 * (x.float() @ ga.float().T) @ gb.float().T if ga is not None else 0)
         u = x.float() @ w_up.float().T + 0.5 * (x.float() @ ua.float().T) @ ub.float().T
@@ -607,10 +608,10 @@ def test_rows_per_chunk_sizing():
     """Default chunks: g/u buffer within 256 MiB, whole multiples of 128 rows, never under 1024."""
     for inter, dtype in ((8960, torch.bfloat16), (14336, torch.bfloat16), (8960, torch.float32),
                          (53248, torch.bfloat16)):
-        n = gated_mlp_module.rows_per_chunk(inter, dtype)
+        n = _row_chunks.rows_per_chunk(inter, dtype)
         assert n % 128 == 0 and n >= 1024
         assert n == 1024 or n * 2 * inter * dtype.itemsize <= 256 * 2**20 < (n + 128) * 2 * inter * dtype.itemsize
-    assert gated_mlp_module.rows_per_chunk(8960, torch.bfloat16) == 7424
+    assert _row_chunks.rows_per_chunk(8960, torch.bfloat16) == 7424
 
 
 @pytest.mark.parametrize("rows", [1, 1024, 7424, 7425, 10240, 34816, 133120])
@@ -619,9 +620,9 @@ def test_chunks_are_as_few_and_as_even_as_the_caps_allow(rows):
     cap keeps a chunk's g/u buffer within 256 MiB and, above 1024 rows, within 4x the bytes of x: 10240 rows of
     Qwen2.5-1.5B's MLP (x 30 MiB) are three chunks of 3456, 34816 rows five of 7040."""
     hidden, inter, dtype = 1536, 8960, torch.bfloat16
-    cap = gated_mlp_module.rows_per_chunk(inter, dtype, rows * hidden * dtype.itemsize)
+    cap = _row_chunks.rows_per_chunk(inter, dtype, rows * hidden * dtype.itemsize)
     assert cap == 1024 or cap * 2 * inter * dtype.itemsize <= min(256 * 2**20, 4 * rows * hidden * dtype.itemsize)
-    chunks = gated_mlp_module._row_chunks(rows, inter, dtype, hidden)
+    chunks = _row_chunks.row_chunks(rows, inter, dtype, hidden)
     sizes = [end - start for start, end in chunks]
     assert chunks[0][0] == 0 and chunks[-1][1] == rows and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     assert len(chunks) == -(-rows // cap)
@@ -811,9 +812,9 @@ def test_gated_mlp_cuda_peak_memory_bounded():
     chunked, fwd, bwd = run(None)
     one, fwd_one, bwd_one = run(tokens)
     mib = 2**20
-    print(f"\nextra peak MiB, chunked ({gated_mlp_module.rows_per_chunk(inter, torch.bfloat16)} rows) / one chunk: "
+    print(f"\nextra peak MiB, chunked ({_row_chunks.rows_per_chunk(inter, torch.bfloat16)} rows) / one chunk: "
           f"forward {fwd / mib:.0f} / {fwd_one / mib:.0f}, backward {bwd / mib:.0f} / {bwd_one / mib:.0f}")
-    budget = 2.25 * gated_mlp_module._CHUNK_BYTES
+    budget = 2.25 * _row_chunks.CHUNK_BYTES
     assert fwd <= budget and bwd <= budget, (fwd / mib, bwd / mib)
     assert fwd_one >= 2 * full_bytes and bwd_one >= 2 * full_bytes  # the measurement sees full-size temporaries
     assert_chunked_matches(one, chunked, torch.bfloat16, CUDA_CHUNK_TOL)

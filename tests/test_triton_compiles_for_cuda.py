@@ -14,9 +14,11 @@ launch for sm_90 through Triton's front end, its GPU-IR passes and its shared-me
 the GPU's first call would (stopping before LLVM and ptxas, for time), and checks the allocation
 against an H100/H200's 227 KB per block.
 """
+import importlib
 import inspect
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 
@@ -24,12 +26,11 @@ import torch
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
+import fastgrpo.kernels
 from fastgrpo.kernels import _dispatch
-from fastgrpo.kernels import gated_mlp as gated_mlp_module
 from fastgrpo.kernels import rms_norm as rms_norm_module
-from fastgrpo.kernels import rope as rope_module
-from fastgrpo.kernels import selective_logprob as selective_logprob_module
-from fastgrpo.kernels.gated_mlp import act_mul, gated_mlp
+from fastgrpo.kernels.act_mul import act_mul
+from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
 from fastgrpo.kernels.rope import rope
 from fastgrpo.kernels.selective_logprob import selective_logprob
@@ -204,8 +205,9 @@ def test_every_kernel_compiles_for_sm90():
     launches = _record_launches(_run_every_op)
     names = {r["name"] for r in launches}
     # Every kernel the package defines was launched (helpers that kernels call are compiled with them).
-    defined = {name for module in (gated_mlp_module, rms_norm_module, rope_module, selective_logprob_module)
-               for name, value in vars(module).items()
+    modules = [importlib.import_module(f"fastgrpo.kernels.{info.name}")
+               for info in pkgutil.iter_modules(fastgrpo.kernels.__path__)]
+    defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreter.InterpretedFunction) and name.endswith("_kernel")}
     assert names == defined, (sorted(defined - names), sorted(names - defined))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -366,11 +366,8 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
 
 
 def test_checkpointed_layers_mlp_form(tmp_path):
-    """Under gradient checkpointing (TRL's default) on CUDA: with offloaded checkpointing (the CUDA default) the
-    gated-MLP op keeps only x, padded or packed, since the checkpoint's recompute skips it; under HF's checkpoint
-    it keeps gate/up instead of recomputing them a second time with padded batches, and takes the act_mul form
-    with packed ones. On CPU the act_mul form; a user's own backend options win; without checkpointing the
-    options are the user's alone."""
+    """The trainer hands its device, checkpointing, offloading and packing (its config's defaults resolved) to
+    `compiler.options.training_options`, whose table tests/test_options.py checks."""
     from tests.tiny_models import trainer_rule
 
     act_mul = {"absorb_mlp_projections": False}

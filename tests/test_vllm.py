@@ -4,9 +4,11 @@ One module, one pytest process: importing TRL/vLLM costs ~15 s and the first eng
 tests share one module-scoped engine (they run in file order and each sets the adapter state it needs).
 Everything runs in fp32, where vLLM's outputs must equal HF + PEFT's token for token.
 """
+import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,6 +329,15 @@ def test_grpo_steps_with_the_shared_engine(tokenizer, tmp_path):
     generation.sync_weights()
     _, completions, logprobs, _ = generation.generate(prompts=prompt_ids(tokenizer), images=None, num_generations=1)
     assert [len(c) for c in completions] == [NEW_TOKENS] * len(PROMPTS) and len(logprobs) == len(PROMPTS)
+
+
+def test_importing_the_vllm_integration_does_not_import_trl():
+    """TRL (15 s to import, vLLM with it) is imported only when SharedVLLMGeneration, its subclass, is first used."""
+    code = ("import sys; import fastgrpo.integrations.vllm as V; from fastgrpo.integrations.vllm import SharedVLLMEngine; "
+            "assert 'trl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('trl'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_without_vllm_the_embedded_generator_is_used(tokenizer, tmp_path, monkeypatch):

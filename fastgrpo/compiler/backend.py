@@ -31,9 +31,10 @@ class PassFailedWarning(UserWarning):
 
 
 def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
-    """Runs one pass on one graph; if it raises, the graph is put back as it was before the pass (a copy of the
-    nodes; example values are shared, not copied), the sites it recorded there are dropped and the error is
-    reported and warned about. A bug in one pattern then costs that pattern on that graph, not the user's run."""
+    """Runs one pass on one graph, through the contract stated in passes/__init__.py. If it raises, the graph is put
+    back as it was before the pass (a copy of the nodes; example values are shared, not copied), the sites it
+    recorded there are dropped and the error is reported and warned about. A bug in one pattern then costs that
+    pattern on that graph, not the user's run."""
     before, sites = copy.deepcopy(sub.graph), len(record.sites)
     for node, copied in zip(sub.graph.nodes, before.nodes):
         # What Dynamo sets on a node besides its meta (a placeholder's source), which a copy leaves out; a Node's

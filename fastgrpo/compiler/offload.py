@@ -4,7 +4,7 @@ Under plain (non-reentrant) gradient checkpointing the one tensor a decoder laye
 forward and backward is its input hidden states, [batch, tokens, hidden]. At 16k-token GRPO rows on
 a 1.5B model that is 28 x 0.4 GB, most of the step's memory. Here every layer still runs under
 `torch.utils.checkpoint(use_reentrant=False)`, and a saved-tensors hook moves that one input to a
-host buffer (Unsloth's offloaded checkpointing, PEERS.md §1.5):
+host buffer (as Unsloth's offloaded gradient checkpointing does):
 
 - forward: the device-to-host copy runs on a side stream while the layer computes; the device
   tensor is freed as soon as the copy has read it (`record_stream`);

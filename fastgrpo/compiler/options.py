@@ -15,20 +15,18 @@ class Options:
     # Fuse the residual add that feeds an RMSNorm into the norm op.
     fuse_residual_add: bool = True
     # Fold the gated MLP's gate/up projections into fastgrpo::gated_mlp, which keeps only x and recomputes them
-    # in backward. False keeps gate and up (fastgrpo::act_mul): under gradient checkpointing the layer's forward
-    # is re-run anyway and the recompute is paid twice (H200, Qwen2.5-1.5B GRPO step at 4096: 1170 ms / 7.7 GiB
-    # absorbed vs 896 ms / 9.5 GiB kept), so under checkpointing the TRL integration sets False for packed
-    # batches and on CPU (GRPOTrainer._compile_options).
+    # in backward. False keeps gate and up for backward (fastgrpo::act_mul). Which form a training step takes:
+    # `training_options` below.
     absorb_mlp_projections: bool = True
     # With the projections absorbed, keep the gate and up projections (LoRA included, [tokens, 2I]) for backward
-    # instead of recomputing them: for checkpointed layers, whose forward is re-run anyway (the TRL integration
-    # sets it under checkpointing for padded batches on CUDA). Saves the same as act_mul but nothing else of [tokens x intermediate]:
-    # the product, its gradient and dgate/dup exist only chunk by chunk inside the op.
+    # instead of recomputing them. Saves the same as act_mul but nothing else of [tokens x intermediate]: the
+    # product, its gradient and dgate/dup exist only chunk by chunk inside the op.
     save_mlp_projections: bool = False
     # Join linears of one input (q, k, v; their LoRA A's) into one GEMM each (passes/joined_projections.py). None:
-    # for CUDA weights only, where the saved reads of x pay (H200, Qwen2.5-1.5B GRPO step at 4096: 732 against 743
-    # ms); on the CPU the joined GEMM only sums in another order (fp32 results then differ from stock TRL's in the
-    # last bits). True or False: everywhere or nowhere.
+    # for CUDA weights only, where the saved reads of x pay (H200, Qwen2.5-1.5B GRPO step at 4096: 732 against
+    # 743 ms, `python bench/grpo_step.py --systems fastgrpo,fastgrpo_nojoin --completions 4096`); on the CPU the
+    # joined GEMM only sums in another order (fp32 results then differ from stock TRL's in the last bits). True
+    # or False: everywhere or nowhere.
     join_projections: bool | None = None
     # Attention sites as fastgrpo::attention, whose output and log-sum-exp a checkpoint's re-run of the layer takes
     # back instead of computing attention again (kept in host memory under offloaded checkpointing). None: on CUDA,
@@ -66,3 +64,46 @@ class Options:
                 f"fastgrpo option inner={options['inner']!r}; choose one of {list(INNER_COMPILERS)}"
             )
         return cls(**options)
+
+
+# The options that choose the gated MLP's form; a user who sets either keeps their choice.
+MLP_FORM_OPTIONS = ("absorb_mlp_projections", "save_mlp_projections")
+
+
+def training_options(options: dict | None, *, device_type: str, checkpointing: bool, offload: bool,
+                     packing: bool) -> dict | None:
+    """The backend options for a training step's forward: `options` (the user's, which win) plus the gated MLP's
+    form for the situation. Under gradient checkpointing each layer's forward runs twice, so the form depends on
+    what the checkpoint's recompute does:
+
+    | device | checkpointing | offloaded | packed | form                                 | option added                 |
+    |--------|---------------|-----------|--------|--------------------------------------|------------------------------|
+    | any    | no            | -         | -      | the op keeps x (`options` unchanged) | -                            |
+    | cuda   | yes           | yes       | any    | the op keeps x                       | -                            |
+    | cuda   | yes           | no        | no     | the op keeps gate and up             | save_mlp_projections=True    |
+    | cuda   | yes           | no        | yes    | act_mul                              | absorb_mlp_projections=False |
+    | cpu    | yes           | any       | any    | act_mul                              | absorb_mlp_projections=False |
+
+    Why (H200, Qwen2.5-1.5B GRPO step, `bench/grpo_step.py`):
+    - offloaded: the recompute skips the MLP (the op is told its output feeds only the residual add), so the op
+      recomputes the projections once, in its backward: as fast as keeping gate/up at 4.75 against 5.88 GiB
+      (4096 padded, 792 ms both: `--systems fastgrpo,fastgrpo_save --completions 4096`), and faster and leaner
+      than act_mul packed (480 ms, 4.27 GiB against 503 ms, 5.25 GiB: `--systems
+      fastgrpo_packed,fastgrpo_packed_actmul --spread --completions 4096`).
+    - HF's own checkpointing (layers not offloaded), where the recompute runs the whole MLP: padded, keeping
+      gate/up spares the op's second recompute (12.5 against 18.2 GiB for act_mul at 16384, 1-2 % slower);
+      packed, act_mul is leaner and faster than keeping gate/up (683 ms, 5.97 GiB against 706 ms, 7.96 GiB at
+      prompt 1024, completions spread over 10-100 % of 4096).
+    - CPU: memory is not what limits, and act_mul is the faster form (the main job's step: 5.9 s against 9.3 s
+      with the op's torch path; `fastgrpo train` against `fastgrpo train --backend-options
+      inner=aot_eager,absorb_mlp_projections=true`, 2-core CPU).
+    """
+    if not checkpointing or set(MLP_FORM_OPTIONS) & set(options or {}):
+        return options
+    if device_type == "cuda" and offload:
+        form = {}
+    elif device_type == "cuda" and not packing:
+        form = {"save_mlp_projections": True}
+    else:
+        form = {"absorb_mlp_projections": False}
+    return {**form, **(options or {})}

@@ -44,7 +44,7 @@ def unsplit_by_ddp():
 
     There Dynamo's DDPOptimizer would cut each graph at DDP's gradient-bucket boundaries (so that all-reduces
     start during the backward) and compile the pieces one by one: a pattern that spans a cut is not matched
-    (on 2 H200s every layer's gated MLP was lost, and 2-GPU scaling at 1024 completions fell to 0.75). A
+    (on 2 H200s: every layer's gated MLP unmatched, and 2-GPU scaling at 1024 completions 0.75). A
     compiled decoder layer needs no cut: its backward ends before the previous layer's starts, so DDP's hooks
     fire layer by layer anyway. A whole compiled decoder all-reduces after its backward instead (LoRA
     gradients: well under a millisecond on NVLink). Only Dynamo reads the active DDP module.

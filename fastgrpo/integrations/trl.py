@@ -53,11 +53,13 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.report import GraphBreakLog
 from fastgrpo.compiler.regions import unsplit_by_ddp
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
+from fastgrpo.integrations.unwrap import causal_lm_of
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
 
@@ -631,7 +633,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                     args.fastgrpo_packing == "auto" and self.accelerator.device.type == "cuda") else 0.0)
                 if self._packing_on() else None,
             )
-            head.install(self._causal_lm(target))
+            head.install(causal_lm_of(target))
             self._fastgrpo_heads.append(head)
         if self._offload_on():
             self._offload_checkpointing()
@@ -644,7 +646,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         # region each, and a first layer whose input needs no grad would compile a second layer graph (offloading
         # swaps the leaf the hook makes for an alias that autograd does not hold through the backward).
         needed = reentrant or self._offload_on()
-        keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=needed)
+        keep_one_input_require_grads_hook(causal_lm_of(self.model), needed=needed)
 
     def _offload_checkpointing(self) -> None:
         """Checkpoint the policy's decoder layers with their inputs in host memory.
@@ -654,7 +656,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         checkpointing flag now switches the offloading, so `Trainer.train()`'s
         `gradient_checkpointing_enable()` and TRL's disable/enable around generation and no-grad passes
         pause and resume it rather than stacking HF's checkpoint on top."""
-        policy = self._causal_lm(self.model)
+        policy = causal_lm_of(self.model)
         if self.args.fastgrpo_compile:
             compile_repeated_blocks(policy, options=self._compile_options(), dynamic=True, offload_checkpointing=True)
         else:
@@ -731,36 +733,13 @@ class GRPOTrainer(TRLGRPOTrainer):
         return choice is True or auto
 
     def _compile_options(self) -> dict | None:
-        """The backend options, the user's winning. Under gradient checkpointing each layer's forward runs twice.
-        With offloaded checkpointing (the CUDA default) the gated-MLP op keeps only x: the checkpoint's recompute
-        skips the MLP (the op is told its output feeds only the residual add), so the projections are recomputed
-        once, in the op's backward. On the H200 at 4096-token completions that stepped as fast as the op keeping
-        gate/up (792 ms both) at 4.75 against 5.88 GiB padded; packed (prompt 256, completions spread over
-        10-100 % of 4096) in 480 ms at 4.27 GiB against 503 ms at 5.25 GiB for the act_mul form. With HF's own
-        checkpointing the recompute cannot skip, so on CUDA with padded batches the op keeps gate/up instead
-        (12.5 vs 18.2 GiB at 16384 completions against the act_mul form, 1-2 % slower), and packed batches take the
-        act_mul form (683 ms at 5.97 GiB against 706 ms at 7.96 GiB with the op keeping gate/up, prompt 1024). On
-        CPU, where memory is not what limits, the act_mul form too (the main job's step: 5.9 s against 9.3 s with
-        the op's torch path)."""
-        options = self.args.fastgrpo_compile_options
-        user_chose_form = bool({"absorb_mlp_projections", "save_mlp_projections"} & set(options or {}))
-        if not self.args.gradient_checkpointing or user_chose_form:
-            return options
-        on_cuda = self.accelerator.device.type == "cuda"
-        if on_cuda and self._offload_on():
-            form = {}
-        elif on_cuda and not self._packing_on():
-            form = {"save_mlp_projections": True}
-        else:
-            form = {"absorb_mlp_projections": False}
-        return {**form, **(options or {})}
+        """The backend options: the user's, plus the gated-MLP form `training_options` picks for this run."""
+        return training_options(self.args.fastgrpo_compile_options, device_type=self.accelerator.device.type,
+                                checkpointing=self.args.gradient_checkpointing, offload=self._offload_on(),
+                                packing=self._packing_on())
 
     def _packing_on(self) -> bool:
         return self.args.fastgrpo_packing in (True, "auto")
-
-    def _causal_lm(self, model):
-        model = self.accelerator.unwrap_model(model)
-        return model.get_base_model() if is_peft_model(model) else model
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs

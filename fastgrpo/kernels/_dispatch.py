@@ -211,8 +211,8 @@ def backward_peak_passed() -> None:
 
 
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's
-# JIT wrapper (~3 us a call), and a launch computes several (RoPE's host path: 58 -> 45 us a call on the
-# CI machine). At short completions the GRPO step is bound by the host.
+# JIT wrapper (~3 us a call), and a launch computes several (RoPE's host path on a 2-core CPU: 45 us a call,
+# 58 with Triton's helpers). At short completions the GRPO step is bound by the host.
 def next_power_of_2(n: int) -> int:
     """Smallest power of 2 >= n (0 for 0, as triton.next_power_of_2)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0

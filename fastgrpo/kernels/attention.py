@@ -2,13 +2,13 @@
 
 Under checkpointing (fastgrpo.compiler.offload) a decoder layer's forward runs twice: in the forward, and again in
 backward to make the tensors the layer's backward reads. Attention's backward reads q, k and v, its output and the
-softmax's log-sum-exp. q, k and v are cheap to make again (projections, RoPE); the output is not: at the GRPO
-step's 8 x 16640 positions (Qwen2.5-1.5B heads) a layer's causal attention forward is ~6.8 TFLOP, ~12 ms on
-cuDNN's kernel on an H200, paid a second time by every layer's re-run. `fastgrpo::attention` runs the kernel SDPA
-runs (cuDNN's fused attention on CUDA, SDPA's flash kernel for the CPU) and returns (output, log-sum-exp); its
-backward is that kernel's own backward from them. Inside a checkpointed call it keeps both in the forward
-(`_dispatch.kept_or_computed`, which the checkpoint moves to host memory beside the layer's input) and in the re-run
-returns them instead of running the kernel. Outside a checkpoint it is SDPA.
+softmax's log-sum-exp. q, k and v are cheap to make again (projections, RoPE); the output is not: at the GRPO step's
+8 x 16640 positions (Qwen2.5-1.5B heads) a layer's causal attention forward is ~6.8 TFLOP, ~12 ms on cuDNN's kernel
+on an H200 (`python bench/bench_attention.py --seq 16640`), paid a second time by every layer's re-run.
+`fastgrpo::attention` runs the kernel SDPA runs (cuDNN's fused attention on CUDA, SDPA's flash kernel for the CPU)
+and returns (output, log-sum-exp); its backward is that kernel's own backward from them. Inside a checkpointed call
+it keeps both in the forward (`_dispatch.kept_or_computed`, which the checkpoint moves to host memory beside the
+layer's input) and in the re-run returns them instead of running the kernel. Outside a checkpoint it is SDPA.
 
 Layout as SDPA's: q [batch, heads, seq, D], k and v [batch, kv_heads, seq_k, D] (heads a multiple of kv_heads:
 grouped-query attention), `attn_mask` boolean (True: may attend) or additive, broadcastable to [batch, heads, seq,

@@ -1,15 +1,15 @@
 """Causal attention over packed rows: one sequence of segments laid end to end, each attending only to itself.
 
-The packed GRPO forward (fastgrpo.integrations.packing) puts a batch's rows one after the other. Given the
-segments as cumulative lengths, CUDA runs flash attention's variable-length kernel, torch's own
+The packed GRPO forward (fastgrpo.integrations.packing) puts a batch's rows one after the other. Given the segments
+as cumulative lengths, CUDA runs flash attention's variable-length kernel, torch's own
 (`aten._flash_attention_forward` and its backward), as the op `fastgrpo::flash_packed_attention`, which keeps its
 output and log-sum-exp for a gradient checkpoint's re-run of the layer (as `fastgrpo::attention` does for padded
-batches: the re-run takes them back instead of running attention again): on an H200 at the GRPO step's
-spread batch (8 rows of 10-100 % of 4096 behind a 256-token prompt, Qwen2.5-1.5B heads) its forward + backward
-took 2.47 ms against 3.74 ms for flex_attention with the packed BlockMask, 1.51x (bench/bench_packed_attention.py,
-2026-11-30). The CPU path (and any tensor flash refuses) runs SDPA one segment at a time as the custom op
-`fastgrpo::packed_attention`, whose backward recomputes each segment's attention from q, k and v, the only
-tensors it saves.
+batches: the re-run takes them back instead of running attention again): on an H200 at the GRPO step's spread batch
+(8 rows of 10-100 % of 4096 behind a 256-token prompt, Qwen2.5-1.5B heads) its forward + backward took 2.47 ms
+against 3.74 ms for flex_attention with the packed BlockMask, 1.51x (`python bench/bench_packed_attention.py`). The
+CPU path (and any tensor flash refuses) runs SDPA one segment at a time as the custom op
+`fastgrpo::packed_attention`, whose backward recomputes each segment's attention from q, k and v, the only tensors
+it saves.
 
 Layout: q [T, heads, D], k and v [T, kv_heads, D] (heads a multiple of kv_heads: grouped-query attention),
 `cu_seqlens` int32 [segments + 1] from 0 to T, `max_len` the longest segment. Returns [T, heads, D].

@@ -27,8 +27,8 @@ match), as d(x + residual) / dx = d(x + residual) / dresidual = 1.
 CUDA tensors run the Triton kernels; CPU tensors run the torch implementation below (or the
 Triton kernels through the interpreter inside `_dispatch.triton_on_cpu()`). The ops are triton_ops:
 in a compiled training graph inductor launches the kernels itself (`_dispatch.traced`), where a custom
-op's call cost ~0.1-0.6 ms of host time each (H200 hosts, 2026-12-01) in a step that is host-bound
-at short completions.
+op's call costs ~0.1-0.6 ms of host time (`python bench/bench_op_host.py`, on the H200 machines' hosts)
+in a step that is host-bound at short completions.
 """
 from typing import Optional
 
@@ -311,7 +311,7 @@ def _block_h(H: int) -> int:
     return _dispatch.next_power_of_2(H)
 
 
-# Launch configurations, from a sweep on an H200 (bench/bench_rms_norm.py --sweep, rows 32768,
+# Launch configurations: the fastest of `python bench/bench_rms_norm.py --sweep` (H200, rows 32768,
 # H in {576, 1536, 4096, 8192}, bf16). The best ones share a pattern: a fixed number of
 # elements per program and per thread, whatever H.
 
@@ -329,46 +329,32 @@ def _fwd_config(H: int, on_cuda: bool) -> tuple[int, int]:
 
 def _bwd_config(H: int, on_cuda: bool, need_dw: bool, has_dsum: bool = False) -> tuple[int, int, Optional[int], int]:
     """(rows per program, num_warps, programs per SM, pipeline stages) for the backward kernel. Programs
-    per SM None: one row block a program, straight through (never with dW); otherwise persistent programs
-    (they loop over row blocks, prefetching the next).
+    per SM None: one row block a program, straight through (never with dW); otherwise persistent programs,
+    which loop over row blocks with the next block's loads in flight: by Triton's software pipelining
+    (stages > 0: stages - 1 blocks in shared memory) or, stages 0, prefetched into registers.
 
-    Without dW (a frozen norm weight, as in every LoRA step), 1024- and 2048-wide blocks: one row a program,
-    straight through, as inductor launches its own backward: few registers a thread, many programs an SM
-    (1 warp at 1024-wide blocks, 2 at 2048, 4 with the residual's gradient). H200, rows 32768, bf16,
-    2026-12-02 (`bench_rms_norm.py --sweep bwd add_bwd`): H = 576 28.4 us against 29.6 for the pipelined
-    persistent programs below (inductor's kernel 28.2), H = 1536 70.6 against 74.9, with the residual's
-    gradient 93.1 against 95.6; but at H = 576 with the residual's gradient 38.5 against 37.8, which keeps
-    the persistent programs. Narrower rows (per-head q/k norms) were not timed that way and keep them too:
-    one short row a program would be a very small program.
-
-    Up to 2048-wide blocks, with dW (and without it where the above does not apply): one row a program and
-    Triton's software pipelining (stages - 1 row blocks in flight in shared memory). Up to 1024 wide,
-    one warp holds the row, so its two sums never leave the warp (no shared-memory exchange and
-    barrier per row), 8 programs per SM, 4 stages (3 with the residual's gradient, a third input in
-    shared memory); 2048 wide, 2 warps, 4 programs per SM, 3 stages. Measured on the H200 (rows 32768,
-    bf16; `bench/bench_rms_norm.py --sweep ... --stages 0 2 3 4` and the sixth session's probe of
-    2026-11-30), against the register prefetch below: with dW, H = 576 36.8 us against 45.5 (33.4 with
-    _dw_reduce_config's 8 columns; with the residual's gradient 43.4 against 55.3), H = 1536 82.2
-    against 89.3; without dW (a frozen norm weight, as under LoRA), H = 576 29.7 against 35.9 (37.9
-    against 43.2), H = 1536 74.8 against 77.6 (95.2 against 99.3).
-    One exception, 1024-wide blocks with dW and without the residual's gradient: 2 rows a program (one a warp),
-    6 programs per SM, 3 stages, the best of 59 configurations around it (one program more per SM or one stage
-    more took 41 us, the landscape is that uneven). H200, H = 576, 2026-12-02, 5 rounds in turns:
-    31.98 against 32.49 us; fwd+bwd with dW 0.0521 / 0.0522 against 0.0527 / 0.0527 ms in two runs of
-    bench_rms_norm.py. With the residual's gradient it was level (40.81 against 40.94), and stays as above.
-
-    Wider rows (stages 0): each program keeps two row blocks of every input in registers (this one
-    and the prefetched next), so the block shrinks as inputs are added:
-      plain:             4096 to 16384 elements a program, 32 a thread;
-      with dW:           2048 elements a program (or one row), 16 a thread (32 with the residual's
-                         gradient as a third input), 4 programs per SM (2 from 4096 elements), the
-                         fp32 accumulator taking registers too;
-      with d(sum), no dW (the residual add's backward under LoRA, norm weight frozen): 1024
-                         elements a program (or one row), 16 a thread, 8 programs per SM; the
-                         plain rule's larger blocks (up to 16384 elements) run at half speed there
-                         (H = 4096: 548 against 253 us).
-    At H = 4096 the pipelined loads lose without dW (202.8 against 194.7 us; 282.3 against 252.8 with
-    the residual's gradient)."""
+    Each rule is the fastest of `python bench/bench_rms_norm.py --sweep KIND --stages 0 2 3 4` (KIND bwd,
+    bwd+dw, add_bwd, add_bwd+dw; H200, rows 32768, bf16; us, against the runner-up):
+    - no dW, 1024-wide blocks (without d(sum)) and 2048-wide: one row a program, straight through, as inductor's
+      own backward: few registers a thread, many programs an SM (1 warp at 1024 wide, 2 at 2048, 4 with d(sum)).
+      H = 576 28.4 against 29.6 (inductor 28.2), H = 1536 70.6 against 74.9, with d(sum) 93.1 against 95.6.
+      H = 576 with d(sum) loses (38.5 against 37.8) and keeps the next rule; so do narrower rows (per-head q/k
+      norms), where one short row would be a very small program.
+    - up to 1024 wide otherwise: one warp holds the row, so its two sums never leave the warp; 8 programs an
+      SM, 4 stages (3 with d(sum), a third input in shared memory). Against register prefetch, H = 576: with dW
+      36.8 against 45.5 (with d(sum) 43.4 against 55.3), without dW 29.7 against 35.9 (37.9 against 43.2).
+    - 1024 wide with dW, without d(sum): 2 rows a program (one a warp), 6 programs an SM, 3 stages, the best of
+      59 configurations around it: H = 576 31.98 against 32.49 (with d(sum) level, 40.81 against 40.94).
+    - 2048 wide: 2 warps, 4 programs an SM, 3 stages. H = 1536 with dW 82.2 against 89.3 for register prefetch,
+      without dW 74.8 against 77.6 (95.2 against 99.3 with d(sum)).
+    - wider: register prefetch (pipelined loads lose at H = 4096 without dW: 202.8 against 194.7, with d(sum)
+      282.3 against 252.8). Each program keeps two row blocks of every input in registers (this one and the
+      next), so the block shrinks as inputs are added:
+        plain:              4096 to 16384 elements a program, 32 a thread;
+        with dW:            2048 elements a program (or one row), 16 a thread (32 with d(sum) as a third input),
+                            4 programs an SM (2 from 4096 elements), the fp32 accumulator taking registers too;
+        d(sum), no dW:      1024 elements a program (or one row), 16 a thread, 8 programs an SM (the plain
+                            rule's blocks: H = 4096 548 against 253)."""
     block_h = _block_h(H)
     if not on_cuda:
         return max(1, 16384 // block_h), 1, (2 if need_dw else None), 0
@@ -399,34 +385,30 @@ def _dw_reduce_config(most_programs: int) -> tuple[int, int, int]:
     most partials the device's backward writes (fewer are masked): a compiled graph holds their number
     as a symbol of the row count."""
     block_p = min(2048, _dispatch.next_power_of_2(most_programs))
-    # 8 columns a program: at H = 576, 72 programs read the 1056 partials (8 per SM x 132) instead of 36;
-    # H200, 2026-11-30: backward with dW 33.4 against 34.6 us (16 columns, 512 partials a load); H = 1536
-    # unchanged (78.7-79.0 us over the configurations tried). One pass over 2048 (16 warps) against two over
-    # 1024 (8 warps), 2026-12-01 (bench_rms_norm.py --sweep-reduce): 33.1 against 33.9 us, with the residual's
-    # gradient 41.5 against 42.1; the best of the 79 configurations swept was within 0.2 us of it.
+    # `python bench/bench_rms_norm.py --sweep-reduce` (H200, rows 32768, bf16; backward with dW, us): 8 columns a
+    # program, so that at H = 576 72 programs read the 1056 partials instead of 36: 33.4 against 34.6 with 16
+    # columns (H = 1536 level, 78.7-79.0); one pass over 2048 partials (16 warps) against two over 1024 (8 warps):
+    # 33.1 against 33.9, with d(sum) 41.5 against 42.1, within 0.2 of the best of the 79 configurations swept.
     return block_p, 8, max(1, min(16, block_p // 64))
 
 
 def _early_dependents(H: int) -> bool:
     """Whether the forward and the dW reduction, launched as programmatic dependents, let the kernel after them
     launch as soon as all their programs have started (`gdc_launch_dependents`; otherwise it launches when they
-    end): rows up to 1024 wide, where the kernels are short and the boundaries between them a larger share. H200,
-    rows 32768, bf16, fwd + bwd with dW, with and without it in turns, CUDA graphs, 2026-12-03: H = 576 52.75 against
-    53.03 us (7 of 7 rounds), in another call 52.81 against 53.07, with the residual add 79.78 against 79.85;
-    level at 1536 and 4096 and slightly behind at 8192 with the residual add (1035.7 against 1034.1, 0 of 7
-    rounds), presumably as the persistent backward's programs then take their places on SMs the forward still
-    occupies, unevenly."""
+    end): rows up to 1024 wide, where the kernels are short and the boundaries between them a larger share.
+    `python bench/bench_rms_norm.py` (CUDA graphs), with this returning True and False in turns (H200, rows 32768,
+    bf16, fwd + bwd with dW, us): H = 576 52.75 against 53.03 (7 of 7 rounds), with the residual add 79.78 against
+    79.85; level at 1536 and 4096, behind at 8192 with the residual add (1035.7 against 1034.1)."""
     return _block_h(H) <= 1024
 
 
 def _bwd_programs(device: torch.device, n_row_blocks, programs_per_sm: Optional[int]):
     """(programs of a backward launch, the most it can have on this device). Persistent programs share the row
-    blocks evenly: each takes ceil(blocks / most) of them, and the programs are as few as that needs. With the
-    most programs instead, a remainder of programs took one block more than the rest, a tail in which only they
-    ran (32768 rows over 1056 programs: 32 programs at 32 rows, 1024 at 31; now 1024 programs at 32). H200,
-    rows 32768, bf16, 2026-12-02, best of 3 rounds in turns: the register-prefetch backward without dW at
-    H = 4096 194.2 against 197.7 us (512 programs against 528); every other persistent form within 0.5 us
-    either way.
+    blocks evenly: each takes ceil(blocks / most) of them, and the programs are as few as that needs, so that
+    no remainder of programs runs a tail of one block more alone (32768 rows over at most 1056 programs: 1024
+    programs of 32 rows, not 32 of 32 and 1024 of 31). `python bench/bench_rms_norm.py --frozen-weight` (H200,
+    rows 32768, bf16): the register-prefetch backward without dW at H = 4096 194.2 against 197.7 us (512 programs
+    against 528); every other persistent form within 0.5 us either way.
     The number depends only on the row count and the device, so the fp32 partial sums (hence dW) are
     bit-reproducible. In a compiled graph the row count is a symbol, and these stay expressions of it."""
     if programs_per_sm is None:
@@ -451,9 +433,9 @@ def _strided_rows(tensors: list[Optional[torch.Tensor]], one_row_dim: bool = Tru
     one leading dim, given as (n_rows, 1, 1): Triton specialises arguments equal to 1, so a row's offset is its index
     times the row stride. Otherwise (per-head q/k norms on transposed 4-D views) the leading dims keep their own
     strides, and a row's offset takes an int64 division and remainder by each inner leading size. One leading dim
-    against the (1, 1, n_rows) that contiguous rows took before (H200, rows 32768, bf16, 2026-12-02, us): H = 576
-    forward 19.8 against 20.1, backward with dW 32.8 against 33.2, without dW 28.4 against 29.9; H = 1536 backward
-    with dW 77.4 against 78.9; H = 4096 with dW 198.8 against 201.2 (bench/RESULTS.md, RMSNorm)."""
+    against (1, 1, n_rows), `python bench/bench_rms_norm.py` and `--frozen-weight` (H200, rows 32768, bf16, us):
+    H = 576 forward 19.8 against 20.1, backward with dW 32.8 against 33.2, without dW 28.4 against 29.9; H = 1536
+    backward with dW 77.4 against 78.9; H = 4096 with dW 198.8 against 201.2."""
     shape = tensors[0].shape
     H = shape[-1]
     out = [t.contiguous() if t is not None and H > 1 and t.stride(-1) != 1 else t for t in tensors]
@@ -526,9 +508,9 @@ def _backward_triton(grad_normed, grad_sum, src, weight, eps, offset, weight_in_
         return dx, (torch.zeros_like(weight) if weight_grad else src.new_empty(0))
     block_row, num_warps, programs_per_sm, stages = _bwd_config(H, _dispatch.launch_like_cuda(src), weight_grad,
                                                                 grad_sum is not None)
-    # The register-prefetch programs without dW (rows of 4096 and wider) keep the rows as (1, 1, n_rows): one leading
-    # dim made them slower (H200, 2026-12-02; not understood): H = 4096 225.8 against 197.8 us, and with the row
-    # blocks shared evenly 217.0 against 193.9; H = 8192 462.8 against 387.4.
+    # The register-prefetch programs without dW (rows of 4096 and wider) keep the rows as (1, 1, n_rows), where one
+    # leading dim is slower: H = 4096 217.0 against 193.9 us, H = 8192 462.8 against 387.4 (`python
+    # bench/bench_rms_norm.py --frozen-weight --hidden 4096 8192`, H200, rows 32768, bf16).
     one_row_dim = weight_grad or programs_per_sm is None or stages > 0
     (dy, dsum, src_), (_, n1, n2), (dy_st, dsum_st, src_st) = _strided_rows([grad_normed, grad_sum, src],
                                                                             one_row_dim)

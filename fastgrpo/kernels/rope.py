@@ -160,7 +160,7 @@ def _rope_kernel(
         # All q heads and all k heads fit one block each: every load is issued before the first
         # store. A program's work is small (one position: 3.5 KB at Qwen2.5-1.5B), so loading k only
         # after q's stores (which may alias it, as far as the compiler knows) cost a second memory
-        # round trip per program: 83 % of copy bandwidth against Liger's 93 % (bench_rope.py, H200).
+        # round trip per program: 83 % of copy bandwidth against Liger's 93 % (`python bench/bench_rope.py`, H200).
         yq1, yq2 = _rope_rotate(q_ptr, cos_ptr, sin_ptr, b, offs_s, seq_len, 0, n_heads_q, half,
                                 q_sb, q_sh, q_ss, q_sd, cq_sb, cq_sh, cq_ss, cq_sd,
                                 BLOCK_HQ, BLOCK_HALF, COS_PER_HEAD, INTERLEAVED, BACKWARD, COS_HALF)
@@ -229,12 +229,12 @@ def _launch(x_pairs, cos, sin, rotary_dim, interleaved, backward):
 
 
 def _cuda_config(n_heads_q: int, n_heads_k: int, block_half: int) -> tuple[int, int, int, int]:
-    """(q heads, k heads, positions per program, num_warps). Measured on an H200
-    (bench/bench_rope.py --sweep): one position and all heads per program keeps the most bytes in
-    flight (more positions per program only for few heads), with the fewest warps that hold the
-    program's q and k tiles at up to ~80 elements a thread: 1 warp at Qwen2.5-1.5B's 12 + 2 heads
-    (62.5 us against 64.8 with 2 warps, 94 % of copy bandwidth), 2 at Llama-8B's 32 + 8. Not a function
-    of the sequence length, which a compiled graph holds as a symbol (masks cover short sequences)."""
+    """(q heads, k heads, positions per program, num_warps): the fastest of `python bench/bench_rope.py --sweep`
+    (H200). One position and all heads per program keeps the most bytes in flight (more positions per program
+    only for few heads), with the fewest warps that hold the program's q and k tiles at up to ~80 elements a
+    thread: 1 warp at Qwen2.5-1.5B's 12 + 2 heads (62.5 us against 64.8 with 2 warps, 94 % of copy bandwidth),
+    2 at Llama-8B's 32 + 8. Not a function of the sequence length, which a compiled graph holds as a symbol
+    (masks cover short sequences)."""
     block_hq = min(_dispatch.next_power_of_2(n_heads_q), 32)
     block_hk = min(_dispatch.next_power_of_2(max(n_heads_k, 1)), 32)
     block_s = max(1, 2048 // (block_hq * 2 * block_half))

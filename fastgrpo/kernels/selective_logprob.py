@@ -72,17 +72,15 @@ class TileConfig:
     block_h: int = 1024  # hidden columns per step where a row kernel walks [R, H] rows
 
 
-# CUDA: one fp32 logits tile is 1024 x 8192 x 4 B = 32 MiB. The recomputing backward, and the
-# forward that computes the gradient, add the padded hidden tile (R x H x 2 B) and an fp32
-# [R, H] accumulator (R x H x 4 B): 56 MiB at H = 4096. For H <= 2048 both take 2048-row
-# tiles (50 MiB at H = 1536): the [R, H] GEMM then fills the GPU (1024 x 1536 outputs are under
-# one wave of 128 x 128 tiles on 132 SMs), and d(weight)'s fp32 read-modify-write per row tile
-# halves. Measured on the H200 (N = 32768, bf16): recomputing backward 60.9 vs 63.9 ms at
-# (1536, 151936); forward with the gradient + its backward 61.4 vs 63.1 ms there (2048 x 8192
-# was 59.4 but holds 82 MiB), and at (4096, 128256) 118.3 ms with 1024 x 8192 (2048 x 4096:
-# 117.7 ms, 80 MiB). The forward with and without the gradient takes the same tiles, so its
-# log-probs are bitwise the same either way (TRL's ratio exp(logp - old_logp) is exactly 1
-# on unchanged weights).
+# CUDA: one fp32 logits tile is 1024 x 8192 x 4 B = 32 MiB. The recomputing backward, and the forward that computes
+# the gradient, add the padded hidden tile (R x H x 2 B) and an fp32 [R, H] accumulator (R x H x 4 B): 56 MiB at
+# H = 4096. For H <= 2048 both take 2048-row tiles (50 MiB at H = 1536): the [R, H] GEMM then fills the GPU (1024 x 1536
+# outputs are under one wave of 128 x 128 tiles on 132 SMs), and d(weight)'s fp32 read-modify-write per row tile
+# halves. `python bench/bench_selective_logprob.py --sweep` (H200, N = 32768, bf16): at (1536, 151936) the
+# recomputing backward 60.9 ms against 63.9 with 1024-row tiles, the forward with the gradient + its backward 61.4
+# against 63.1 (2048 x 8192: 59.4, but it holds 82 MiB); at (4096, 128256) 118.3 ms with 1024 x 8192 (2048 x 4096:
+# 117.7 ms, 80 MiB). The forward with and without the gradient takes the same tiles, so its log-probs are bitwise
+# the same either way (TRL's ratio exp(logp - old_logp) is exactly 1 on unchanged weights).
 CUDA_FORWARD = TileConfig(1024, 8192, 1, 8)
 CUDA_FORWARD_NARROW = TileConfig(2048, 4096, 1, 8)
 CUDA_BACKWARD = TileConfig(1024, 8192, 1, 8)

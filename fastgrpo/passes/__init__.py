@@ -9,9 +9,18 @@ projection could no longer be absorbed into the MLP op. Attention (which SDPA ke
 independent of the others. Joined projections go last: they take the linears no other pattern absorbed
 (the MLP's gate and up are already in its op; q, k, v and their LoRA A's remain).
 
-Each pass module exposes `NAME` and `apply(gm, record, **options)`; it rewrites matched
-sites (into calls of `fastgrpo::` custom ops; attention and joined projections into other torch
-calls) and records matches and near misses.
+The contract of every pass in PASSES (the backend calls it once per graph, compiler/backend.py `_apply_pass`):
+
+    NAME: str                                   # the pattern's name in options and fusion reports
+    apply(gm: fx.GraphModule, record: PatternRecord, options) -> None
+
+`options` is the backend's parsed `fastgrpo.compiler.options.Options` (a pass reads only the fields it owns).
+`apply` rewrites matched sites of `gm.graph` in place - into calls of `fastgrpo::` custom ops; attention and
+joined projections into other torch calls - and recompiles `gm` when it changed anything; it calls
+`record.match(site, form)` for each rewritten site and `record.miss(site, reason)` for each site it recognised
+but left alone. A pass that raises has that graph restored and the error reported by the backend.
+`autocast.py` is not one of these patterns: the backend runs it first under ambient autocast, with its own
+signature.
 """
 from fastgrpo.passes import attention, gated_mlp, joined_projections, rms_norm, rope, selective_logprob
 from fastgrpo.passes._record import PatternRecord

@@ -16,6 +16,8 @@ from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fastgrpo.kernels._dispatch import SUPPORTED_DTYPES  # noqa: F401  (the passes rewrite only what the kernels take)
+
 aten = torch.ops.aten
 
 # kind -> every spelling Dynamo (or a pre-lowered graph) may use for it.
@@ -120,9 +122,6 @@ def shape(node: Any) -> tuple | None:
 def is_empty(node: Any) -> bool:
     """A tensor with a dimension known at compile time to be 0 (Dynamo specialises sizes 0 and 1)."""
     return any(isinstance(d, int) and d == 0 for d in (shape(node) or ()))
-
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fastgrpo kernels take
 
 
 def is_tensor(node: Any) -> bool:

@@ -2,12 +2,11 @@
 
 `F.scaled_dot_product_attention` picks its kernel when AOTAutograd traces the graph, by a priority
 order that has changed across torch releases: torch 2.11 on an H200 already puts cuDNN first for the
-inputs below (asked on the device, 2026-11-30: the pass then changes nothing there and only confirms
-the choice in the report); where a release puts flash first, the pass moves cuDNN ahead of it. On an
-H200, at the Qwen2.5-1.5B attention of the GRPO step
-(12 query / 2 key-value heads, head dim 128, causal, 8 x 4352 tokens, bf16), cuDNN's kernel takes
-3.38 ms forward + backward against flash's 5.97 ms (forward 0.84 against 1.45 ms), with grouped
-query attention as HF passes it (`enable_gqa=True`); bench/bench_attention.py. This pass reroutes
+inputs below (the pass then changes nothing there and only confirms the choice in the report); where a
+release puts flash first, the pass moves cuDNN ahead of it. At the Qwen2.5-1.5B attention of the GRPO step
+(12 query / 2 key-value heads, head dim 128, causal, 8 x 4352 tokens, bf16, grouped query attention as HF
+passes it, `enable_gqa=True`) cuDNN's kernel takes 3.38 ms forward + backward against flash's 5.97 ms
+(forward 0.84 against 1.45 ms): `python bench/bench_attention.py` (H200). This pass reroutes
 each SDPA call through `sdpa_preferring_cudnn`, which puts cuDNN first in the priority order while
 the call is traced, so the graph holds cuDNN's forward and backward. The maths is SDPA's; where
 cuDNN refuses the inputs, SDPA's next choice applies, and the pass, which asks SDPA ahead of time
@@ -40,7 +39,7 @@ _FALLBACKS = (
     (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
     (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
 )
-_MIN_CAPABILITY = (9, 0)  # measured faster on Hopper; elsewhere SDPA's own order stands
+_MIN_CAPABILITY = (9, 0)  # cuDNN first where it was measured faster (sm90); elsewhere SDPA's own order stands
 
 
 def _preferred_order() -> list[SDPBackend]:
@@ -50,8 +49,8 @@ def _preferred_order() -> list[SDPBackend]:
 @contextlib.contextmanager
 def _cudnn_first():
     """cuDNN's kernel first in SDPA's priority order, and the user's order back afterwards: torch 2.11's
-    `sdpa_kernel(..., set_priority=True)` did not put it back on leaving (H200, 2026-12-01: [1, 2, 0, 3, 4]
-    became [3, 1, 2, 0, 4]), which left cuDNN first in the user's process for good."""
+    `sdpa_kernel(..., set_priority=True)` does not put it back on leaving ([1, 2, 0, 3, 4] becomes
+    [3, 1, 2, 0, 4]), which would leave cuDNN first in the user's process for good."""
     previous = torch._C._get_sdp_priority_order()
     try:
         with sdpa_kernel(_preferred_order(), set_priority=True):

@@ -1,9 +1,10 @@
 """The gated MLP - `down(act(gate(x)) * up(x))`, SwiGLU or GeGLU - becomes `fastgrpo::gated_mlp`,
 which keeps only x for backward and recomputes the two [tokens x intermediate]
-projections, the activation and their product (DESIGN.md §3: the memory inductor will
-not recompute). With the backend option `save_mlp_projections` (set by the TRL integration
-for checkpointed layers with padded batches: their forward is re-run anyway) it keeps the two projections
-instead and recomputes only the activation and the product.
+projections, the activation and their product: memory that inductor's partitioner would save, since
+it does not recompute matmuls. With the backend option `save_mlp_projections` (what
+`compiler.options.training_options` picks for layers under HF's checkpointing with padded batches: their
+forward is re-run anyway) it keeps the two projections instead and recomputes only the activation and the
+product.
 
 The down projection is absorbed too when it is a bias-free linear or PEFT LoRA linear that
 alone reads the product: then neither the product h (which the down adapter's autograd would
@@ -30,7 +31,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from fastgrpo.kernels import gated_mlp as _gated_mlp_ops  # noqa: F401  (registers the ops)
+from fastgrpo.kernels import act_mul as _act_mul_op, gated_mlp as _gated_mlp_op  # noqa: F401  (register the ops)
 from fastgrpo.passes._fx import (
     erase_unused,
     SUPPORTED_DTYPES, arg, binary_operands, dtype, is_empty, is_kind, is_scalar, other_operand, propagate_meta, shape,

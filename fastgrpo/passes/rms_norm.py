@@ -6,8 +6,8 @@ Anchor: a mean of squares over the last dim, plus a scalar epsilon, through rsqr
 (HF Llama, Gemma's `1 + w`, OLMo2's cast-after-multiply, Qwen3's per-head q/k norms,
 `x * x` / `torch.square`, no-weight norms, `F.rms_norm`). From the anchor the pass walks
 forward through casts and the weight multiply, and reads the rounding points off the
-dtypes Dynamo recorded, so the op reproduces the eager numerics (DESIGN.md §3: never strip
-a narrowing cast).
+dtypes Dynamo recorded, so the op reproduces the eager numerics (a narrowing cast is never
+stripped).
 """
 import operator
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """lm-head + log-softmax + pick-the-target becomes `fastgrpo::selective_logprob`, so the
-[tokens x vocab] logits are never materialised (DESIGN.md §2).
+[tokens x vocab] logits are never materialised.
 
 Anchors: `log_softmax(z, -1)` read only through `gather(-1, idx)`; `cross_entropy(z, t)`;
 and `gather(z, -1, idx) - logsumexp(z, -1)`. From the anchor the pass walks back from z
