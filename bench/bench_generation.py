@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed calls per case (median reported)")
     p.add_argument("--hf", action="store_true", help="also time model.generate on the first case")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, short rows")
+    p.add_argument("--backend", default="inductor", help="the decode layer's compile backend (inductor, fastgrpo)")
+    p.add_argument("--backend-options", type=json.loads, default=None,
+                   help='its options as JSON, e.g. \'{"patterns": ["joined_projections"]}\' for fastgrpo')
     args = p.parse_args(argv)
     if args.tiny:
         args.shape, args.cases, args.prompt_len, args.repeats = "tiny", "4x8,spread", 8, 1
@@ -102,7 +105,8 @@ def main(argv=None):
         if spread:  # raise the EOS logit so rows end at random
             hook = head.register_forward_hook(lambda m, i, out: out.index_add_(
                 -1, torch.tensor([eos], device=out.device), torch.full_like(out[..., :1], SPREAD_EOS_BIAS)))
-        generator = EmbeddedGenerator(model, pad, [eos if spread else vocab], new)
+        generator = EmbeddedGenerator(model, pad, [eos if spread else vocab], new, compile_backend=args.backend,
+                                      compile_options=args.backend_options)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         torch.manual_seed(0)
         sync()
@@ -124,7 +128,7 @@ def main(argv=None):
         seconds = statistics.median(times)
         tokens = sum(lengths)
         limit = limit_seconds(decoder, lengths, args.prompt_len)
-        row = dict(path="EmbeddedGenerator", shape=args.shape, rows=rows, new_tokens=new, spread=spread,
+        row = dict(path="EmbeddedGenerator", backend=args.backend, backend_options=args.backend_options, shape=args.shape, rows=rows, new_tokens=new, spread=spread,
                    mean_length=tokens / rows, lora=bool(args.lora), prompt_len=args.prompt_len, seconds=seconds,
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,

@@ -65,8 +65,9 @@ def embed_and_forward(decoder: nn.Module, input_ids: torch.Tensor, **kwargs):
 class _CountingBackend:
     """A torch.compile backend that counts the graphs it compiles and stops a storm of recompiles."""
 
-    def __init__(self, backend: str, limit: int):
-        self.inner = torch._dynamo.lookup_backend(backend)
+    def __init__(self, backend: str, limit: int, options: dict | None = None):
+        inner = torch._dynamo.lookup_backend(backend)
+        self.inner = functools.partial(inner, options=options) if options else inner
         self.limit = limit
         self.compiles = 0
         self.step = 0  # the engine's decode step being run
@@ -131,12 +132,13 @@ class RolloutEngine:
         check_every: decode steps between the host's reads of how many rows still run.
         min_batch: the smallest batch a compacted step runs (smaller compactions save little).
         compile_limit: graphs the compiled layer may compile before the engine gives up (`RecompileStorm`).
+        backend_options: the backend's `options` (e.g. the fastgrpo backend's patterns).
         verify: on the first call, check the engine's logits against the model's own forward (`EngineMismatch`).
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids: list[int], max_new_tokens: int, *, compile_layers: bool,
                  backend: str, cuda_graphs: bool, pad_to_multiple_of: int, check_every: int, min_batch: int = 8,
-                 compile_limit: int = 8, verify: bool = True):
+                 compile_limit: int = 8, verify: bool = True, backend_options: dict | None = None):
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.max_new_tokens = max_new_tokens
@@ -144,7 +146,7 @@ class RolloutEngine:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.check_every = check_every
         self.min_batch = min_batch
-        self.backend = _CountingBackend(backend, compile_limit) if compile_layers else None
+        self.backend = _CountingBackend(backend, compile_limit, backend_options) if compile_layers else None
         self._compiled_layer = (
             torch.compile(_layer_forward, backend=self.backend, fullgraph=True) if compile_layers else None
         )

@@ -69,6 +69,7 @@ class EmbeddedGenerator:
         compile: compile the decode step's decoder layer; default: on CUDA yes, on CPU no (a short CPU run spends
             more on the compile than it saves).
         compile_backend: torch.compile backend for the decoder layer (inductor; "eager" only traces, for tests).
+        compile_options: that backend's options (e.g. `{"patterns": ["joined_projections"]}` for "fastgrpo").
         cuda_graphs: replay the decode step as CUDA graphs; default: on CUDA.
         pad_to_multiple_of: round the padded prompt and the cache length up, so that caches and graphs are reused
             across batches; default 64 on CUDA, 1 on CPU.
@@ -86,6 +87,7 @@ class EmbeddedGenerator:
         *,
         compile: bool | None = None,
         compile_backend: str = "inductor",
+        compile_options: dict | None = None,
         cuda_graphs: bool | None = None,
         pad_to_multiple_of: int | None = None,
         check_finished_every: int | None = None,
@@ -101,6 +103,7 @@ class EmbeddedGenerator:
         self.max_new_tokens = int(max_new_tokens)
         self._compile = compile
         self._compile_backend = compile_backend
+        self._compile_options = compile_options
         self._cuda_graphs = cuda_graphs
         self._pad_to_multiple_of = pad_to_multiple_of
         self._check_finished_every = check_finished_every
@@ -117,7 +120,8 @@ class EmbeddedGenerator:
         cuda_graphs = on_cuda if self._cuda_graphs is None else self._cuda_graphs
         return RolloutEngine(
             self.pad_token_id, self.eos_token_ids, self.max_new_tokens,
-            compile_layers=compiled, backend=self._compile_backend, cuda_graphs=cuda_graphs and on_cuda,
+            compile_layers=compiled, backend=self._compile_backend, backend_options=self._compile_options,
+            cuda_graphs=cuda_graphs and on_cuda,
             pad_to_multiple_of=self._pad_to_multiple_of or (64 if on_cuda else 1),
             check_every=self._check_finished_every or (16 if on_cuda else 1), min_batch=self._min_batch,
         )
