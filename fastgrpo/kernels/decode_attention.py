@@ -1,30 +1,235 @@
-"""Decode attention over a static KV cache (torch reference path)."""
+"""Decode attention over the rollout engine's KV cache: one new query per row, grouped-query heads read once.
+
+`decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale=, window=, softcap=, sinks=)`:
+- q [b, Hq, D]: this step's query of each batch row; k_new, v_new [b, Hkv, D]: its key and value.
+- k_cache, v_cache [R, Hkv, L, D]: the cache; batch row i lives in cache row rows[i] (a compacted batch is a subset).
+- start [R]: a cache row's first valid slot (left padding); length (0-d device tensor): slots written once this
+  step's key is in, the same for every row (the query sits at slot length - 1).
+- The op writes k_new / v_new at slot length - 1 of each batch row's cache row, then attends over the row's slots
+  [start, length) - the last `window` of them for a sliding-window layer - with `softcap` (c * tanh(s / c), after
+  the scale) and `sinks` (one logit per query head that joins the softmax's denominator and carries no value).
+- Returns [b, Hq, D] in q's dtype; fp32 accumulation.
+
+`length` never becomes a Python int: the op is replayed in CUDA graphs with `length` advanced in place.
+
+Triton path ("flash decoding"): grid (batch row, KV head, split); each program loads the G = Hq / Hkv query heads
+of its KV head (padded to the 16 rows `tl.dot` takes), so each key and value is read once for its whole group; it
+walks its share of the valid slots in blocks with an online softmax and writes a partial (max, sum, output); a second
+kernel combines the splits and the sinks. The new slot's key and value are read from k_new / v_new (so no program
+depends on another's store); split 0 stores them in the cache. The split count comes from static facts only (batch,
+KV heads, cache length, SMs), never from `length`.
+The torch path (CPU, and the tests' reference) does the same maths on gathered rows.
+"""
+from __future__ import annotations
+
 import torch
+import triton
+import triton.language as tl
+
+from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
+
+# Programs per SM the splits aim at (one wave of short programs hides the reduction's launch).
+_PROGRAMS_PER_SM = 4
+_MAX_SPLITS = 64
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, scale, window=None, softcap=None,
-                     sinks=None):
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr,
+    part_o_ptr, part_m_ptr, part_l_ptr,
+    sq0, sq1, skn0, skn1, svn0, svn1,
+    sk0, sk1, sk2, sv0, sv1, sv2,
+    scale, softcap,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr,
+):  # fmt: skip
+    # NATIVE: the dots take the half-precision inputs as they are (CUDA); else every value is fp32 and the dots run
+    # in full fp32 (fp32 models, and the interpreter, whose half-precision arithmetic is wrong).
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    length = tl.load(length_ptr).to(tl.int32)
+    last = length - 1
+    lo = tl.load(start_ptr + row).to(tl.int32)
+    if WINDOW > 0:
+        lo = tl.maximum(lo, length - WINDOW)
+    per_split = tl.cdiv(tl.cdiv(length - lo, SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + s * per_split
+    s_hi = tl.minimum(s_lo + per_split, length)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < G
+    d_ok = d < D
+    heads = h * G + g
+    q = tl.load(q_ptr + i * sq0 + heads[:, None] * sq1 + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_new = tl.load(k_new_ptr + i * skn0 + h * skn1 + d, mask=d_ok, other=0.0).to(k_ptr.dtype.element_ty)
+    v_new = tl.load(v_new_ptr + i * svn0 + h * svn1 + d, mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
+    if s == 0:
+        tl.store(k_ptr + row * sk0 + h * sk1 + last.to(tl.int64) * sk2 + d, k_new, mask=d_ok)
+        tl.store(v_ptr + row * sv0 + h * sv1 + last.to(tl.int64) * sv2 + d, v_new, mask=d_ok)
+    if NATIVE:
+        q = q.to(k_ptr.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
+        k_new = k_new.to(tl.float32)
+        v_new = v_new.to(tl.float32)
+
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    k_base = k_ptr + row * sk0 + h * sk1
+    v_base = v_ptr + row * sv0 + h * sv1
+    for block in range(s_lo, s_hi, BLOCK_N):
+        n = block + tl.arange(0, BLOCK_N)
+        n_ok = n < s_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None].to(tl.int64) * sk2 + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * sv2 + d[None, :], mask=kv_mask, other=0.0)
+        if not NATIVE:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        is_new = (n == last)[:, None]
+        k = tl.where(is_new, k_new[None, :], k)
+        v = tl.where(is_new, v_new[None, :], v)
+        if NATIVE:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        if NATIVE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+
+    out = (i * (G * tl.num_programs(1)) + heads) * SPLITS + s
+    tl.store(part_m_ptr + out, m, mask=g_ok)
+    tl.store(part_l_ptr + out, l, mask=g_ok)
+    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_o_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, so0, so1, HQ,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < SPLITS
+    base = (i * HQ + head) * SPLITS
+    m = tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0)
+    o = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    top = tl.max(m, axis=0)
+    weight = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+    total = tl.sum(weight * l, axis=0)
+    if SINKS:
+        total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - top)
+    result = tl.sum(weight[:, None] * o, axis=0) / total
+    tl.store(out_ptr + i * so0 + head * so1 + d, result, mask=d < D)
+
+
+def _splits(batch: int, kv_heads: int, slots: int, block_n: int, device: torch.device) -> int:
+    programs = batch * kv_heads
+    want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), programs)
+    return max(1, min(want, cdiv(slots, block_n), _MAX_SPLITS))
+
+
+def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks, splits=None):
+    b, hq, d = q.shape
+    hkv, slots = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    d_pad = max(16, next_power_of_2(d))
+    block_n = 64 if d_pad <= 128 else 32
+    if splits is None:
+        splits = _splits(b, hkv, slots, block_n, q.device)
+    part_o = torch.empty(b, hq, splits, d_pad, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    cuda = launch_like_cuda(q)
+    _decode_partial_kernel[(b, hkv, splits)](
+        q, k_new, v_new, k_cache, v_cache, rows, start, length, part_o, part_m, part_l,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(scale), float(softcap or 0.0),
+        G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
+        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=q.is_cuda and k_cache.dtype != torch.float32, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+    )  # fmt: skip
+    out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    _decode_combine_kernel[(b, hq)](
+        part_o, part_m, part_l, sinks if sinks is not None else part_m, out, out.stride(0), out.stride(1), hq,
+        D=d, D_PAD=d_pad, SPLITS=splits, SPLITS_PAD=max(2, next_power_of_2(splits)), SINKS=sinks is not None,
+        num_warps=1,
+    )  # fmt: skip
+    return out
+
+
+def reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window=None,
+                               softcap=None, sinks=None):
+    """The op in plain torch (fp32 maths): writes the new slot, then attends over the gathered rows."""
     b, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     last = (length - 1).reshape(1).expand(b)
     k_cache[rows, :, last] = k_new.to(k_cache.dtype)
     v_cache[rows, :, last] = v_new.to(v_cache.dtype)
-    kc = k_cache[rows].float()
-    vc = v_cache[rows].float()
+    keys, values = k_cache[rows].float(), v_cache[rows].float()
     group = hq // hkv
-    qf = q.float().reshape(b, hkv, group, d)
-    scores = torch.einsum("bhgd,bhld->bhgl", qf, kc) * scale
+    scores = torch.einsum("bhgd,bhld->bhgl", q.float().reshape(b, hkv, group, d), keys) * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    j = torch.arange(slots, device=q.device)
-    visible = (j[None, :] >= start[rows][:, None]) & (j[None, :] <= last[:, None])
+    slot = torch.arange(slots, device=q.device)
+    visible = (slot[None] >= start[rows][:, None]) & (slot[None] <= last[:, None])
     if window:
-        visible &= last[:, None] - j[None, :] < window
+        visible &= last[:, None] - slot[None] < window
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(1, hkv, group, 1).expand(b, -1, -1, -1)
-        full = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
-        full = scores.softmax(-1)
-    out = torch.einsum("bhgl,bhld->bhgd", full, vc)
-    return out.reshape(b, hq, d).to(q.dtype)
+        probs = scores.softmax(-1)
+    return torch.einsum("bhgl,bhld->bhgd", probs, values).reshape(b, hq, d).to(q.dtype)
+
+
+@torch.library.custom_op("fastgrpo::decode_attention", mutates_args=("k_cache", "v_cache"))
+def _decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                         scale: float, window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    if use_triton(q):
+        return _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks)
+    return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap,
+                                      sinks)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, scale, window=None, softcap=None,
+                     sinks=None) -> torch.Tensor:
+    """See the module docstring. `window` None or 0: no window; `softcap` None or 0: none. For sampling only: no
+    autograd (it mutates the cache), so a call with grad-requiring inputs is refused."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_new, v_new, sinks)):
+        raise RuntimeError("fastgrpo decode_attention has no backward (it samples): call it under torch.no_grad()")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[1]} key/value heads")
+    if q.shape[-1] != k_cache.shape[-1] or k_new.shape != (q.shape[0], k_cache.shape[1], q.shape[-1]):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, cache "
+                         f"{tuple(k_cache.shape)}")
+    return _decode_attention_op(q, k_new, v_new, k_cache, v_cache, rows, start, length, float(scale),
+                                int(window or 0), float(softcap or 0.0), sinks)

@@ -1,0 +1,160 @@
+"""fastgrpo::decode_attention against a float64 reference: ragged starts, compacted rows, GQA ratios, head dims,
+sliding windows, softcaps, sinks, dtypes and strides; the cache write; compiled and captured calls."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.kernels._dispatch import triton_on_cpu
+from fastgrpo.kernels.decode_attention import _triton_decode, decode_attention, reference_decode_attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def case(seed, b, hkv, group, d, slots, cache_rows, dtype, window, softcap, sinks, strided_q, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    hq = hkv * group
+    q = randn(b, 2 * hq, d)[:, ::2] if strided_q else randn(b, hq, d)
+    inputs = dict(
+        q=q, k_new=randn(b, hkv, d), v_new=randn(b, hkv, d), k_cache=randn(cache_rows, hkv, slots, d),
+        v_cache=randn(cache_rows, hkv, slots, d), rows=torch.randperm(cache_rows, generator=g)[:b].to(device),
+        start=torch.randint(0, slots // 2, (cache_rows,), generator=g).to(device),
+        length=torch.tensor(slots - int(torch.randint(0, slots // 4, (1,), generator=g)), device=device),
+    )
+    options = dict(scale=d ** -0.5, window=window, softcap=softcap,
+                   sinks=torch.randn(hq, generator=g).to(device) if sinks else None)
+    return inputs, options
+
+
+def expected(inputs, options):
+    """The float64 reference on copies (it writes the cache too)."""
+    double = {k: (v.double() if v.is_floating_point() else v).cpu().clone() for k, v in inputs.items()}
+    sinks = options["sinks"] if options["sinks"] is None else options["sinks"].cpu()
+    out = reference_decode_attention(**double, scale=options["scale"], window=options["window"],
+                                     softcap=options["softcap"], sinks=None if sinks is None else sinks.double())
+    return out, double["k_cache"], double["v_cache"]
+
+
+def run(inputs, options, call):
+    """`call(**inputs, **options)` on the inputs (it writes their caches); checked against the reference run on the
+    inputs as they were before."""
+    before = {k: v.clone() for k, v in inputs.items()}
+    out = call(**inputs, **options)
+    want, k_after, v_after = expected(before, options)
+    dtype = inputs["q"].dtype
+    scale = want.abs().max().item()
+    assert (out.cpu().double() - want.cpu()).abs().max().item() <= TOLERANCE[dtype] * max(1.0, scale)
+    # The new key/value sits at slot length - 1 of exactly the given rows; nothing else changed.
+    for cache, after in ((inputs["k_cache"], k_after), (inputs["v_cache"], v_after)):
+        assert torch.equal(cache.cpu(), after.to(cache.dtype).cpu())
+    assert not torch.equal(inputs["k_cache"], before["k_cache"])
+
+
+shapes = st.tuples(
+    st.integers(0, 2**16), st.integers(1, 4), st.integers(1, 3), st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([16, 32, 64, 80, 128]), st.integers(8, 72), st.integers(0, 3),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([None, 3, 16]),
+    st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4),
+)
+
+
+@settings(max_examples=25)
+@given(shapes)
+def test_triton_kernel_matches_the_float64_reference(params):
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits = params
+    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided)
+    with triton_on_cpu():
+        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1)))
+
+
+@settings(max_examples=25)
+@given(shapes)
+def test_torch_path_matches_the_float64_reference(params):
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, _ = params
+    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided)
+    run(inputs, options, decode_attention)
+
+
+def test_head_dim_256_with_window_and_softcap_and_many_splits():
+    inputs, options = case(3, 2, 1, 4, 256, 70, 3, torch.float32, 16, 20.0, False, False)
+    with triton_on_cpu():  # more splits than blocks: empty splits combine to 0
+        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=5))
+
+
+def test_a_row_whose_window_holds_only_the_new_slot():
+    inputs, options = case(4, 2, 1, 2, 32, 20, 2, torch.float32, 1, None, True, False)
+    with triton_on_cpu():
+        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=2))
+
+
+def test_compiled_call_writes_the_real_cache_and_never_recompiles_for_a_new_length():
+    """Inside a compiled graph (inductor, fullgraph) the cache is written in place, with no copy of it, and the
+    length, a device tensor advanced between calls, causes no recompile."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kv = (torch.zeros(4, 1, 32, 16), torch.zeros(4, 1, 32, 16))
+
+        def forward(self, q, k, v, rows, start, length):
+            return decode_attention(q * 2, k, v, self.kv[0], self.kv[1], rows, start, length, scale=0.25) + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = Layer()
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    q, k, v = torch.randn(2, 2, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    rows, start, length = torch.tensor([3, 1]), torch.zeros(4, dtype=torch.long), torch.tensor(5)
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(compiled, q, k, v, rows, start, length)
+        for n in (6, 7):
+            out = compiled(q, k, v, rows, start, length.fill_(n))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(layer.kv[0][3, :, 4], k[0]) and torch.equal(layer.kv[1][1, :, 6], v[1])
+    assert "copy_" not in code and "clone" not in code  # the op wrote the module's cache tensors themselves
+    eager_kv = (torch.zeros(4, 1, 32, 16), torch.zeros(4, 1, 32, 16))
+    for n in (5, 6, 7):
+        want = decode_attention(q * 2, k, v, *eager_kv, rows, start, torch.tensor(n), scale=0.25) + 1
+    torch.testing.assert_close(out, want)
+
+
+def test_no_backward():
+    inputs, options = case(0, 1, 1, 1, 16, 8, 1, torch.float32, None, None, False, False)
+    inputs["q"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        decode_attention(**inputs, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "gemma3-1b"])
+def test_gpu_kernel_at_real_shapes(shape):
+    b, hkv, group, d, window, softcap = (128, 2, 6, 128, None, None) if shape == "qwen2.5-1.5b" else \
+        (64, 1, 4, 256, 512, 50.0)
+    inputs, options = case(0, b, hkv, group, d, 1024, b + 8, torch.bfloat16, window, softcap, False, False, "cuda")
+    run(inputs, options, decode_attention)
+
+
+@pytest.mark.gpu
+def test_gpu_captured_call_replays_with_an_advanced_length():
+    inputs, options = case(1, 32, 2, 6, 128, 512, 40, torch.bfloat16, None, None, False, False, "cuda")
+    inputs["length"].fill_(300)
+    replay = {k: v.clone() for k, v in inputs.items()}
+    decode_attention(**replay, **options)  # warm-up (compiles the kernels)
+    replay = {k: v.clone() for k, v in inputs.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(**replay, **options)
+    eager = {k: v.clone() for k, v in inputs.items()}
+    for n in (300, 301, 302):
+        replay["length"].fill_(n)
+        graph.replay()
+        eager["length"].fill_(n)
+        want = decode_attention(**eager, **options)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(replay["k_cache"], eager["k_cache"], atol=0, rtol=0)
