@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed calls per case (median reported)")
     p.add_argument("--hf", action="store_true", help="also time model.generate on the first case")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, short rows")
+    p.add_argument("--profile", action="store_true",
+                   help="after the first case, profile one call: GPU time by kernel, kernels per decode step")
     p.add_argument("--backend", default="inductor", help="the decode layer's compile backend (inductor, fastgrpo)")
     p.add_argument("--backend-options", type=json.loads, default=None,
                    help='its options as JSON, e.g. \'{"patterns": ["joined_projections"]}\' for fastgrpo')
@@ -79,6 +81,28 @@ def limit_seconds(model, rows_lengths: list[int], prompt_len: int) -> float:
     return seconds
 
 
+def profile(generator, prompts, new_tokens: int, device: str) -> None:
+    """GPU time of one call by kernel name (top 30), and the kernels a decode step launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        generator.generate(prompts)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels) / 1e3
+    by_name = {}
+    for e in kernels:
+        count, time_us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (count + 1, time_us + e.device_time)
+    print(f"PROFILE kernels {len(kernels)} ({len(kernels) / max(1, new_tokens - 1):.0f} a decode step), GPU time "
+          f"{total:.1f} ms ({total / max(1, new_tokens - 1):.3f} ms a step)")
+    for name, (count, time_us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"PROFILE {time_us / 1e3:9.2f} ms {100 * time_us / 1e3 / total:5.1f} % {count:7d}x  {name[:110]}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -103,8 +127,10 @@ def main(argv=None):
         head = decoder.get_output_embeddings()
         hook = None
         if spread:  # raise the EOS logit so rows end at random
-            hook = head.register_forward_hook(lambda m, i, out: out.index_add_(
-                -1, torch.tensor([eos], device=out.device), torch.full_like(out[..., :1], SPREAD_EOS_BIAS)))
+            def raise_eos(module, inputs, out):
+                out[..., eos] += SPREAD_EOS_BIAS
+
+            hook = head.register_forward_hook(raise_eos)
         generator = EmbeddedGenerator(model, pad, [eos if spread else vocab], new, compile_backend=args.backend,
                                       compile_options=args.backend_options)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -123,6 +149,8 @@ def main(argv=None):
             sync()
             times.append(time.perf_counter() - start)
             lengths = [len(row) for row in out]
+        if args.profile and not rows_out:
+            profile(generator, prompts, new, device)
         if hook is not None:
             hook.remove()
         seconds = statistics.median(times)

@@ -263,6 +263,9 @@ class RolloutEngine:
             b.seen.zero_()[:batch].scatter_(1, input_ids, True)
         eos = torch.tensor(self.eos_token_ids, device=device)
         self._probe = [] if self._verify else None
+        if self._probe is not None:  # up to two of the longest prompts: their padding, if any, is the same
+            self._probe_start = int(start.min())
+            self._probe_rows = torch.nonzero(start == self._probe_start)[:2, 0]
 
         # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once and its keys and
         # values are copied to the rows of its completions.
@@ -334,7 +337,6 @@ class RolloutEngine:
         self._cache.seen_tokens = prompt_len
         state.start.copy_(row_starts)
         if self._probe is not None:
-            self._probe_rows = torch.nonzero(row_starts == 0)[:2, 0]  # rows without left padding: the longest prompts
             self._probe.append(logits.float())  # all prefill rows; generate() keeps the probe rows
             self._probe_dtype = logits.dtype if logits.dtype in _MISMATCH_KL else torch.float16
         return logits
@@ -388,13 +390,13 @@ class RolloutEngine:
         captured.replay()  # capturing records the step without running it
 
     def _check(self, decoder, input_ids: torch.Tensor, b: _Buffers, generated: int) -> None:
-        """Compare the engine's logits (prefill and the first decode steps) on up to two rows without left padding
-        with the model's plain forward over the same tokens, the forward the trainer scores with; once per engine.
-        `EngineMismatch` when they disagree."""
+        """Compare the engine's logits (prefill and the first decode steps) on up to two of the longest prompts with
+        the model's plain forward over the same tokens, padding stripped: the forward the trainer scores with; once
+        per engine. `EngineMismatch` when they disagree."""
         probe, self._probe, self._verify = self._probe, None, False
         rows = self._probe_rows
         steps = min(len(probe), generated)
-        ids = torch.cat([input_ids[rows], b.completion[rows, : steps - 1]], dim=1)
+        ids = torch.cat([input_ids[rows, self._probe_start:], b.completion[rows, : steps - 1]], dim=1)
         was_training = decoder.training
         decoder.eval()
         layers = _decoder_layers(decoder)

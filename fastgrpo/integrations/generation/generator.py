@@ -155,7 +155,7 @@ class EmbeddedGenerator:
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Completion ids for each prompt (each prompt repeated `num_generations` times, copies adjacent); with
         `return_logprobs`, also each completion token's log-prob as the trainer computes it (log-softmax of the
-        logits over the temperature, before the sampling filters).
+        logits over the temperature, before the sampling filters), or None where model.generate sampled.
 
         A completion stops after its first EOS (kept, as TRL keeps it) or after `max_new_tokens`. The model is put
         in eval mode for the call and its training mode restored afterwards; autograd is off (no_grad rather than
@@ -187,12 +187,15 @@ class EmbeddedGenerator:
         ids = truncate_after_eos(completion, self.eos_token_ids)
         if not return_logprobs:
             return ids
+        if logprobs is None:
+            return ids, None
         logprobs = logprobs.cpu()
         return ids, [logprobs[row, : len(tokens)].tolist() for row, tokens in enumerate(ids)]
 
     def _hf_generate(self, decoder: nn.Module, prompts: list[list[int]], sampling: Sampling
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`model.generate` on the left-padded batch: (completions, their tokens' log-probs as the engine's)."""
+                     ) -> tuple[torch.Tensor, None]:
+        """`model.generate` on the left-padded batch: (completions, None). It keeps no log-probs (its per-step logits
+        would be [rows, tokens, vocab]): the trainer then logs no sampler agreement."""
         ids, mask = _left_padded(prompts, self.pad_token_id, self.device)
         was_training = decoder.training
         decoder.eval()
@@ -202,14 +205,11 @@ class EmbeddedGenerator:
                 do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
                 repetition_penalty=sampling.repetition_penalty, eos_token_id=self.eos_token_ids,
-                pad_token_id=self.pad_token_id, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=self.pad_token_id,
             )
         finally:
             decoder.train(was_training)
-        completion = out.sequences[:, ids.shape[1]:]
-        scaled = torch.stack(out.logits, dim=1).float() / (sampling.temperature or 1.0)
-        logprobs = scaled.log_softmax(-1).gather(-1, completion[..., None])[..., 0]
-        return completion, logprobs
+        return out[:, ids.shape[1]:], None
 
 
 def _is_compile_failure(error: Exception) -> bool:
