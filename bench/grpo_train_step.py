@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,10 @@ def parse_args(argv=None):
 
 
 def commit() -> str:
+    """The tree's commit (FASTGRPO_BENCH_COMMIT where the tree travelled without its history)."""
+    if os.environ.get("FASTGRPO_BENCH_COMMIT"):
+        return os.environ["FASTGRPO_BENCH_COMMIT"]
+
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 

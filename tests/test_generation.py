@@ -453,10 +453,12 @@ def test_cuda_graph_decode_matches_model_generate(arch):
         assert generator.generate(batch, temperature=0) == expected
         assert generator.generate(batch, temperature=0) == expected  # graph replay
         assert generator.generate(batch, temperature=1.0, top_k=1) == expected
-        eos = expected[0][3]
-        early = hf_greedy(model, batch, 40, eos=eos)
+        stopping_batch = [prompts()[0]] * 12 + prompts()[1:]  # 12 rows end early, 3 run on
+        eos = hf_greedy(model, stopping_batch, 40, eos=VOCAB + 1)[0][3]
+        early = hf_greedy(model, stopping_batch, 40, eos=eos)
+        assert sorted(map(len, early))[-1] > 12
         stopping = EmbeddedGenerator(model, PAD, [eos], max_new_tokens=40, min_batch=1, check_finished_every=4)
-        assert stopping.generate(batch, temperature=0) == early
+        assert stopping.generate(stopping_batch, temperature=0) == early
         assert len(stopping.engine._buffers.batches) > 1
     finally:
         context.__exit__(None, None, None)

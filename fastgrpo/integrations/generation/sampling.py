@@ -51,41 +51,53 @@ def sample_next_token(
     """Sample one token per row of `logits` [rows, vocab]; greedy (argmax) when temperature == 0.
 
     Filters apply in `model.generate`'s order (temperature, top-k, top-p, min-p) with its definitions,
-    each keeping at least one token. Sampling uses the exponential-race trick (argmax of p / Exp(1)),
+    each keeping at least one token. Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)),
     which equals multinomial sampling, draws from torch's global RNG and needs no host sync.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    vocab = logits.size(-1)
+    return _race(_filtered(logits.float() / temperature, top_k, top_p, min_p))
+
+
+def _filtered(scaled: torch.Tensor, top_k: int | None, top_p: float, min_p: float | None) -> torch.Tensor:
+    """Temperature-scaled logits with the top-k, top-p and min-p filters' removals at -inf."""
+    vocab = scaled.size(-1)
     if top_k is not None and 0 < top_k < vocab:
-        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_largest, _FILTERED)
+        kth_largest = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, _FILTERED)
     if top_p is not None and top_p < 1.0:
-        sorted_logits, sorted_indices = torch.sort(logits, dim=-1)
+        sorted_logits, sorted_indices = torch.sort(scaled, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cumulative <= 1 - top_p
         remove_sorted[..., -1] = False
         remove = remove_sorted.scatter(-1, sorted_indices, remove_sorted)
-        logits = logits.masked_fill(remove, _FILTERED)
+        scaled = scaled.masked_fill(remove, _FILTERED)
     if min_p is not None and min_p > 0:
-        probs = logits.softmax(dim=-1)
+        probs = scaled.softmax(dim=-1)
         remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
         remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-        logits = logits.masked_fill(remove, _FILTERED)
-    probs = logits.softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1)
-    return (probs / race).argmax(dim=-1)
+        scaled = scaled.masked_fill(remove, _FILTERED)
+    return scaled
+
+
+def _race(scaled: torch.Tensor) -> torch.Tensor:
+    """argmax(scaled - log E): a draw from softmax(scaled) without forming the softmax."""
+    race = torch.empty_like(scaled).exponential_(1).log_()
+    return (scaled - race).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: the repetition penalty (over `seen`), then `sample_next_token`'s filters. Also returns
-    each token's log-prob as the trainer computes it: log-softmax of the logits over the temperature (1 when
-    greedy), before the penalty and the filters."""
-    penalized = logits
+    """One token per row: the repetition penalty (over `seen`), then the temperature and `sample_next_token`'s
+    filters. Also returns each token's log-prob as the trainer computes it: log-softmax of the logits over the
+    temperature (1 when greedy), before the penalty and the filters."""
+    temperature = sampling.temperature or 1.0
+    scaled = logits.float() / temperature
+    chosen_from = scaled
     if sampling.repetition_penalty != 1.0:
-        penalized = penalize_repetitions(logits.float(), seen, sampling.repetition_penalty)
-    tokens = sample_next_token(penalized, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-    scaled = logits.float() / (sampling.temperature or 1.0)
+        chosen_from = penalize_repetitions(logits.float(), seen, sampling.repetition_penalty) / temperature
+    if sampling.temperature == 0:
+        tokens = chosen_from.argmax(dim=-1)
+    else:
+        tokens = _race(_filtered(chosen_from, sampling.top_k, sampling.top_p, sampling.min_p))
     logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
     return tokens, logprobs
