@@ -181,3 +181,33 @@ def test_the_unsloth_peer_writes_the_shapes_checkpoint(tmp_path, name):
     batch = unsloth_step.make_batch(8, vocab, tokenizer.pad_token_id, "cpu", prompt=4, lengths=[8, 3] * 4)
     assert batch["completion_ids"].shape == (unsloth_step.GROUP, 8)
     assert (batch["completion_ids"][1, 3:] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.gpu
+def test_cuda_timers_and_peak_memory():
+    block, peak = harness.peak_above(lambda: torch.empty(2**28, device="cuda", dtype=torch.uint8))
+    assert peak >= block.numel()
+    x = torch.randn(4096, 4096, device="cuda")
+    low, mid, high = harness.kernel_ms(lambda: x @ x, quantiles=[0.2, 0.5, 0.8])
+    assert 0 < low <= mid <= high
+    module = SimpleNamespace(n=2048)
+    now, timings = harness.time_launch_configs(lambda: x[:module.n] @ x, [4096, 256], lambda n: [(module, "n", n)])
+    assert module.n == 2048 and [n for _, n in timings] == [256, 4096] and timings[0][0] < now < timings[1][0]
+    tflops, tbps = harness.device_rates()
+    assert tflops > 50 and tbps > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["gemma-2-2b", "llama-3.1-8b"])
+def test_the_step_runs_each_system_on_cuda(shape, capsys):
+    """The --tiny step of every fastgrpo form and the baselines on CUDA (offloaded checkpointing, packed rows)."""
+    systems = "eager,inductor,fastgrpo,fastgrpo_save,fastgrpo_actmul,fastgrpo_packed,fastgrpo_shared"
+    assert grpo_step.main(["--tiny", "--shape", shape, "--systems", systems, "--completions", "64",
+                           "--prompt", "32", "--warmup", "1", "--repeat", "1"]) == 0
+    rows = [json.loads(line.removeprefix("RESULT ")) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("RESULT ")]
+    assert {r["system"] for r in rows} == set(systems.split(","))
+    for row in rows:
+        assert row["shape"] == shape and row["peak_gib"] > 0, row
+        # Gemma-2's soft-capped attention has no variable-length kernel: its packed rows may say so.
+        assert row["error"] is None or (shape == "gemma-2-2b" and row["system"] in grpo_step.PACKED), row
