@@ -4,18 +4,22 @@ backward, bf16, causal. Qwen2.5-1.5B heads (12 query / 2 key-value, D 128) and L
 sequence 1280 and 4352 (prompt 256 + completions 1024 / 4096); grouped-query attention as HF passes it
 (`enable_gqa=True`) and with key/value repeated (HF's path when a mask is passed). Each kernel's output and
 gradients are compared, on the first two rows of the batch, with float32 math attention (max abs error,
-relative to the reference's largest value).
+relative to the reference's largest value). Rows are appended to bench/results/bench_attention.jsonl.
 
     python bench/bench_attention.py            # CUDA
+    python bench/bench_attention.py --batch 1 --seq 64 --shapes qwen2.5-1.5b   # CPU smoke run (kernels refused)
 """
-import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "llama-8b": (32, 8, 128)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
+
+SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")  # bench/_harness.py's names: (query heads, key-value heads, head dim)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -36,20 +40,23 @@ def forward_backward(q, k, v, grad, gqa):
     return [out.detach()] + [t.grad for t in (q, k, v)]
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, nargs="+", default=[1280, 4352])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    print("| shape | seq | gqa | kernel | fwd ms | fwd+bwd ms | vs flash (fwd+bwd) | max error (out, dq, dk, dv) |")
-    print("|---|---|---|---|---|---|---|---|")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES),
+                        choices=sorted(harness.SHAPES), metavar="SHAPE")
+    args = parser.parse_args(argv)
+    device = harness.device()
+    print(f"{harness.hardware()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(harness.md_header("shape", "seq", "gqa", "kernel", "fwd ms", "fwd+bwd ms", "vs flash (fwd+bwd)",
+                            "max error (out, dq, dk, dv)"))
+    rows = []
     for shape in args.shapes:
-        heads, kv_heads, dim = SHAPES[shape]
+        heads, kv_heads, dim = harness.attention_shape(shape)
         for seq in args.seq:
             torch.manual_seed(0)
-            make = lambda h: torch.randn(args.batch, h, seq, dim, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+            make = lambda h: torch.randn(args.batch, h, seq, dim, device=device, dtype=torch.bfloat16)  # noqa: E731
             q, k, v = (make(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
             grad = make(heads)
             with sdpa_kernel([SDPBackend.MATH]):  # the first two rows: math attention keeps [rows, H, S, S]
@@ -62,15 +69,21 @@ def main():
                         try:
                             got = forward_backward(q, k, v, grad, gqa)
                         except RuntimeError as error:
-                            print(f"| {shape} | {seq} | {gqa} | {name} | refused: {str(error).splitlines()[0][:80]} |")
+                            refused = str(error).splitlines()[0][:80]
+                            print(harness.md_row(shape, seq, gqa, name, f"refused: {refused}"), flush=True)
+                            rows.append(dict(shape=shape, batch=args.batch, seq=seq, gqa=gqa, kernel=name,
+                                             error=refused))
                             continue
-                        errors = ", ".join(f"{((a[:2].float() - b).abs().max() / b.abs().max()).item():.1e}"
-                                           for a, b in zip(got, ref))
-                        fwd = triton.testing.do_bench(lambda: attention(q, k, v, gqa), warmup=50, rep=300)
-                        both = triton.testing.do_bench(lambda: forward_backward(q, k, v, grad, gqa), warmup=50, rep=300)
+                        errors = [((a[:2].float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref)]
+                        fwd = harness.kernel_ms(lambda: attention(q, k, v, gqa), warmup=50, rep=300)
+                        both = harness.kernel_ms(lambda: forward_backward(q, k, v, grad, gqa), warmup=50, rep=300)
                     flash_ms = flash_ms or both
-                    print(f"| {shape} | {seq} | {gqa} | {name} | {fwd:.3f} | {both:.3f} | {flash_ms / both:.2f}x | {errors} |",
-                          flush=True)
+                    print(harness.md_row(shape, seq, gqa, name, f"{fwd:.3f}", f"{both:.3f}", f"{flash_ms / both:.2f}x",
+                                         ", ".join(f"{e:.1e}" for e in errors)), flush=True)
+                    rows.append(dict(shape=shape, batch=args.batch, seq=seq, gqa=gqa, kernel=name, fwd_ms=fwd,
+                                     fwd_bwd_ms=both, max_rel_errors=errors))
+    if device.type == "cuda":
+        print(f"rows appended to {harness.record('bench_attention', rows)}")
 
 
 if __name__ == "__main__":

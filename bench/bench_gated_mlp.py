@@ -1,6 +1,6 @@
 """Benchmark fastgrpo::gated_mlp and fastgrpo::act_mul against eager, inductor and Liger (bf16, GPU).
 
-    python bench/bench_gated_mlp.py            # H200: Qwen2.5-1.5B and Llama-8B MLPs, 32k tokens
+    python bench/bench_gated_mlp.py            # H200: Qwen2.5-1.5B and Llama-3.1-8B MLPs, 32k tokens
     python bench/bench_gated_mlp.py --tokens 131072 --shapes qwen2.5-1.5b   # long context
     python bench/bench_gated_mlp.py --block --shapes qwen2.5-1.5b --tokens 34816 --profile
                                                # the whole MLP block (down projection included), as the
@@ -30,28 +30,23 @@ gated_mlp: h = silu(x Wg^T [+ LoRA]) * (x Wu^T [+ LoRA]) up to the down projecti
   backward recomputes the projections once. fastgrpo_saved (the op keeping gate/up) re-runs its projections
   in the recompute to save them, as under HF's checkpoint. The others re-run their whole MLP.
 act_mul: h = silu(g) * u on [tokens, I] bf16; GB/s over the bytes read and written once.
-Writes $OUT/bench_gated_mlp.json (bench_gated_mlp_<tokens>.json for other token counts) when OUT is set.
+The table's rows are appended to bench/results/bench_gated_mlp.jsonl.
 """
-import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from fastgrpo.kernels import _row_chunks  # noqa: E402
 from fastgrpo.kernels import act_mul as act_mul_module  # noqa: E402
 from fastgrpo.compiler.offload import marking_recomputes  # noqa: E402
 from fastgrpo.kernels.act_mul import act_mul  # noqa: E402
 from fastgrpo.kernels.gated_mlp import gated_mlp  # noqa: E402
 
-SHAPES = {  # name: (hidden, intermediate)
-    "qwen2.5-1.5b": (1536, 8960),
-    "llama-8b": (4096, 14336),
-}
+SHAPES = {name: harness.mlp_shape(name) for name in ("qwen2.5-1.5b", "llama-3.1-8b")}  # name: (hidden, intermediate)
 TOKENS = 32768
 RANK = 16
 LORA_SCALE = 2.0
@@ -137,8 +132,6 @@ def mlp_flops(hidden, inter, tokens, lora, block=False):
 
 
 def bench_mlp(fn, inputs, mode, device):
-    import triton.testing
-
     x = inputs[0].detach().requires_grad_()
     args = (x, *inputs[1:])
     wrt = [t for t in args if t is not None and t.requires_grad]
@@ -146,7 +139,7 @@ def bench_mlp(fn, inputs, mode, device):
         def step():
             with torch.no_grad():
                 return fn(*args)
-        ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
+        ms = harness.kernel_ms(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=60)
         return ms, None, None, None
     with torch.no_grad():
         dh = torch.randn_like(fn(*args))
@@ -165,20 +158,14 @@ def bench_mlp(fn, inputs, mode, device):
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     # A Llama-8B block step takes ~45 ms: 400 ms of repetitions give ~9 samples (60 ms gave one).
-    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=400)
+    ms = harness.kernel_ms(step, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=400)
     # The host's share: time to issue one step with the GPU idle at its start (nothing inside waits for it).
     host = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        host.append((time.perf_counter() - start) * 1e3)
+    harness.wall_ms(step, 5, host_ms=host)
     return ms, peak, saved, sorted(host)[len(host) // 2]
 
 
 def bench_act_mul(fn, g, u, mode):
-    import triton.testing
-
     g = g.detach().requires_grad_(mode == "full")
     u = u.detach().requires_grad_(mode == "full")
     if mode == "fwd":
@@ -190,7 +177,7 @@ def bench_act_mul(fn, g, u, mode):
 
         def step():
             return torch.autograd.grad(fn(g, u), (g, u), dh)
-    return triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    return harness.kernel_ms(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
 
 
 def sweep_act_mul(device, tokens, shapes):
@@ -198,37 +185,26 @@ def sweep_act_mul(device, tokens, shapes):
     u laid out as the op holds them (the two halves of one [rows, 2I] buffer); used to set _act_mul_blocks."""
     import itertools
 
-    import triton.testing
-
-    saved = act_mul_module._act_mul_blocks
-    try:
-        for name, (_, inter) in shapes.items():
-            gu = torch.randn(tokens, 2 * inter, device=device, dtype=torch.bfloat16)
-            g, u = gu[:, :inter], gu[:, inter:]
-            h = torch.empty(tokens, inter, device=device, dtype=torch.bfloat16)
-            dgu = torch.empty_like(gu)
-            kernels = {
-                "fwd": (lambda: act_mul_module._act_mul_fwd_triton(g, u, h, "silu"), 3),
-                "bwd": (lambda: act_mul_module._act_mul_bwd_triton(h, g, u, dgu[:, :inter], dgu[:, inter:], "silu"), 5),
-            }
-            for kind, (fn, accesses) in kernels.items():
-                n_bytes = accesses * g.numel() * g.element_size()
-                timings = []
-                for block_m, block_n, num_warps in itertools.product((1, 4, 16, 64), (128, 256, 512, 1024), (2, 4, 8)):
-                    if not 4 <= block_m * block_n // (32 * num_warps) <= 64:
-                        continue
-                    act_mul_module._act_mul_blocks = lambda _, c=(block_m, block_n, num_warps): c
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                    timings.append((ms, block_m, block_n, num_warps))
-                act_mul_module._act_mul_blocks = saved
-                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                timings.sort()
-                best = ", ".join(f"{m}x{n} w{w}: {ms * 1e3:.0f}us ({n_bytes / (ms * 1e-3) / 1e9:.0f} GB/s)"
-                                 for ms, m, n, w in timings[:5])
-                print(f"act_mul {name} {kind}: now {now * 1e3:.0f}us ({n_bytes / (now * 1e-3) / 1e9:.0f} GB/s); "
-                      f"best: {best}", flush=True)
-    finally:
-        act_mul_module._act_mul_blocks = saved
+    configs = [(block_m, block_n, num_warps)
+               for block_m, block_n, num_warps in itertools.product((1, 4, 16, 64), (128, 256, 512, 1024), (2, 4, 8))
+               if 4 <= block_m * block_n // (32 * num_warps) <= 64]
+    for name, (_, inter) in shapes.items():
+        gu = torch.randn(tokens, 2 * inter, device=device, dtype=torch.bfloat16)
+        g, u = gu[:, :inter], gu[:, inter:]
+        h = torch.empty(tokens, inter, device=device, dtype=torch.bfloat16)
+        dgu = torch.empty_like(gu)
+        kernels = {
+            "fwd": (lambda: act_mul_module._act_mul_fwd_triton(g, u, h, "silu"), 3),
+            "bwd": (lambda: act_mul_module._act_mul_bwd_triton(h, g, u, dgu[:, :inter], dgu[:, inter:], "silu"), 5),
+        }
+        for kind, (fn, accesses) in kernels.items():
+            n_bytes = accesses * g.numel() * g.element_size()
+            now, timings = harness.time_launch_configs(
+                fn, configs, lambda c: [(act_mul_module, "_act_mul_blocks", lambda _, c=c: c)], rep=30)
+            best = ", ".join(f"{m}x{n} w{w}: {ms * 1e3:.0f}us ({n_bytes / (ms * 1e-3) / 1e9:.0f} GB/s)"
+                             for ms, (m, n, w) in timings[:5])
+            print(f"act_mul {name} {kind}: now {now * 1e3:.0f}us ({n_bytes / (now * 1e-3) / 1e9:.0f} GB/s); "
+                  f"best: {best}", flush=True)
 
 
 def dry_run():
@@ -274,8 +250,8 @@ def profile(fn, inputs):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=90))
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
     parser.add_argument("--tokens", type=int, default=TOKENS, help="rows of x (default %(default)s)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
@@ -289,13 +265,16 @@ def main():
     parser.add_argument("--sweep-act-mul", action="store_true", help="time the act_mul kernels' launch configurations")
     parser.add_argument("--profile-variant", choices=("lora", "plain"), default="lora",
                         help="what --profile-only profiles: LoRA r=16 on a frozen base, or full fine-tuning")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.checkpointed and not args.block:
         parser.error("--checkpointed times the block (y = x + mlp(x)): add --block")
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
         return
     tokens = args.tokens
+    unknown = [name for name in args.shapes.split(",") if name not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}: give some of {', '.join(SHAPES)}")
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     device = torch.device("cuda")
     if args.sweep_act_mul:
@@ -360,21 +339,19 @@ def main():
         r["speedup_vs"] = r["ms"] / fast["ms"]  # >1: fastgrpo is faster than this provider
     chunks = ", ".join(f"{name} {_row_chunks.rows_per_chunk(inter, torch.bfloat16)}"
                        for name, (_, inter) in shapes.items())
-    print(f"\nGated MLP, bf16, {tokens} tokens, {torch.cuda.get_device_name()}; fastgrpo rows per chunk: {chunks}")
-    print("| op | shape | variant | mode | provider | ms (p20-p80) | host ms | TFLOP/s or GB/s | peak MiB | saved MiB "
-          "| provider ms / fastgrpo ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\nGated MLP, bf16, {tokens} tokens, {harness.hardware()}; fastgrpo rows per chunk: {chunks}")
+    cells = []
     for r in rows:
         rate = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['gbps']:.0f} GB/s"
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         saved = "" if r.get("saved_mib") is None else f"{r['saved_mib']:.0f}"
         host = "" if r.get("host_ms") is None else f"{r['host_ms']:.2f}"
-        print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['mode']} | {r['provider']} | "
-              f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) | {host} | {rate} | {peak} | {saved} | {r['speedup_vs']:.2f} |")
-    if os.environ.get("OUT"):
-        suffix = "" if tokens == TOKENS else f"_{tokens}"
-        with open(os.path.join(os.environ["OUT"], f"bench_gated_mlp{suffix}.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), tokens=tokens, rank=RANK, rows=rows), f, indent=1)
+        cells.append((r["op"], r["shape"], r["variant"], r["mode"], r["provider"],
+                      f"{r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f})", host, rate, peak, saved,
+                      f"{r['speedup_vs']:.2f}"))
+    print(harness.markdown_table(("op", "shape", "variant", "mode", "provider", "ms (p20-p80)", "host ms",
+                                  "TFLOP/s or GB/s", "peak MiB", "saved MiB", "provider ms / fastgrpo ms"), cells))
+    print(f"rows appended to {harness.record('bench_gated_mlp', [dict(tokens=tokens, rank=RANK, **r) for r in rows])}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Offloaded activation checkpointing on the GRPO policy step (DESIGN.md §4 workload, GPU).
+"""Offloaded activation checkpointing on the GRPO policy step (GPU).
 
-The step of bench/grpo_step.py's fastgrpo system (Qwen2.5-1.5B shape, bf16, LoRA r=16, G=8
+The step of bench/grpo_step.py's fastgrpo system (Qwen2.5-1.5B shape by default, bf16, LoRA r=16, G=8
 completions of a 256-token prompt, decoder layers compiled one region each with backend="fastgrpo",
 log-probs through fastgrpo::selective_logprob), on ONE model compiled once, under:
   checkpoint   HF non-reentrant gradient checkpointing (what grpo_step.py measures)
@@ -9,16 +9,15 @@ log-probs through fastgrpo::selective_logprob), on ONE model compiled once, unde
 Goals (issue 7): offload <= 1.03x checkpoint's step time; at 16384 completions peak <= 16 GiB.
 Also reported: the largest gradient difference against the checkpoint run on the same batch, beside
 checkpoint-vs-checkpoint on the same batch (the kernels' own run-to-run noise); a copy racing the
-compute stream would show as a difference far above that noise.
+compute stream would show as a difference far above that noise. Unsloth's step beside it is the latest `unsloth`
+row of bench/results/grpo_step.jsonl for the shape and length on this hardware (bench/peers/unsloth_step.py).
 
     python bench/bench_offload.py                                  # H200: completions 4096,16384
     python bench/bench_offload.py --modes checkpoint,offload,hf-offload
     python bench/bench_offload.py --tiny --completions 32,64 --inner eager   # CPU: checks the harness
-Writes $OUT/bench_offload.json when OUT is set.
+Rows are appended to bench/results/bench_offload.jsonl (not with --tiny).
 """
-import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -26,23 +25,30 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _harness as harness  # noqa: E402
 import grpo_step  # noqa: E402
 from grpo_step import GROUP, PROMPT, build_policy, make_step, timed_steps, with_mixed_precision  # noqa: E402
 
 import fastgrpo  # noqa: E402
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing  # noqa: E402
 
-# DESIGN.md §4 (H200, 2026-11-29): Unsloth's step, ms and peak GiB (+11.4 GB host RAM at 16384).
-UNSLOTH = {1024: (301, 4.61), 4096: (952, 8.17), 16384: (4666, 22.4)}
 SLOWDOWN_GOAL, MEMORY_GOAL_GIB, MEMORY_GOAL_AT = 1.03, 16.0, 16384
 
 
 def make_batch(model, completion: int):
-    torch.manual_seed(0)  # the same batch in every mode
+    """grpo_step.py's batch (seeded: the same in every mode): ids, completion mask, advantages."""
     device = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (GROUP, PROMPT + completion), device=device)
-    return ids, torch.ones(GROUP, completion, device=device), torch.randn(GROUP, device=device)
+    return grpo_step.make_batch(model.config.vocab_size, PROMPT, completion, False, device)[:3]
+
+
+def unsloth_rows(shape: str) -> dict[int, dict]:
+    """The latest Unsloth row of bench/results/grpo_step.jsonl per completion length (this shape and hardware,
+    grpo_step.py's default prompt, equal lengths)."""
+    path, here = harness.results_path("grpo_step"), harness.hardware()
+    rows = harness.read_rows(path) if path.exists() else []
+    return {r["completion"]: r for r in rows
+            if r.get("system") == "unsloth" and not r.get("error") and r.get("shape") == shape
+            and r.get("hardware") == here and r.get("prompt") == PROMPT and not r.get("spread")}
 
 
 def step_grads(model, completion: int) -> torch.Tensor:
@@ -65,13 +71,12 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
         timed_steps(step, batch, model, warmup)
         if cuda:
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        harness.reset_peak()
         times = timed_steps(step, batch, model, repeat)
         median = statistics.median(times)
         result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
-                      tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3))
+                      tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3), peak_gib=harness.peak_gib())
         if cuda:
-            result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             # Blocks freed while a side-stream copy still reads them leave "allocated" at once but are
             # reusable only after the copy: a lagging copy stream would show here, not in peak_gib.
             result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
@@ -89,10 +94,10 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
 
 
 def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny: bool, inner: str,
-        system: str = "fastgrpo") -> list[dict]:
+        system: str = "fastgrpo", shape: str = harness.DEFAULT_SHAPE) -> list[dict]:
     # Built without compiling, then compiled here with `system`'s backend options, so the inner compiler can be
     # chosen (eager for --tiny on CPU).
-    model = build_policy("eager", PROMPT + max(completions) + 8, tiny)
+    model = build_policy("eager", PROMPT + max(completions) + 8, tiny, shape)
     options = dict(grpo_step.FASTGRPO_OPTIONS[system] or {}, inner=inner)
     fastgrpo.compile_repeated_blocks(model.get_base_model(), options=options, dynamic=grpo_step.DYNAMIC)
     reference = {}  # completion -> gradients under plain checkpointing
@@ -120,7 +125,7 @@ def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny
                     reference[completion] = grads
                 elif completion in reference:
                     result["grad_max_diff"] = (grads - reference[completion]).abs().max().item()
-            print("RESULT " + json.dumps(result), flush=True)
+            harness.emit(result)
             results.append(result)
         if handle is not None:
             handle.disable()
@@ -129,12 +134,11 @@ def run(modes: list[str], completions: list[int], warmup: int, repeat: int, tiny
     return results
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], unsloth: dict[int, dict]) -> str:
     by = {(r["mode"], r["completion"]): r for r in results}
     modes = [m for m in ("checkpoint", "offload", "hf-offload") if any(k[0] == m for k in by)]
-    lines = ["| completion | " + " | ".join(modes) + " | offload time / checkpoint | offload peak saved | "
-             "host GiB | grad diff (noise) | Unsloth (anchor) | offload tok/s vs Unsloth | offload mem / Unsloth |",
-             "|---" * (len(modes) + 8) + "|"]
+    lines = [harness.md_header("completion", *modes, "offload time / checkpoint", "offload peak saved", "host GiB",
+                               "grad diff (noise)", "Unsloth", "offload tok/s vs Unsloth", "offload mem / Unsloth")]
     for completion in sorted({k[1] for k in by}):
         cells = []
         for m in modes:
@@ -159,14 +163,14 @@ def table(results: list[dict]) -> str:
             cells.append(f"{off['grad_max_diff']:.2e} ({ck.get('grad_noise', float('nan')):.2e})")
         else:
             cells.append("-")
-        anchor = UNSLOTH.get(completion)
-        cells.append(f"{anchor[0]} ms, {anchor[1]} GiB" if anchor else "-")
+        anchor = unsloth.get(completion)
+        cells.append(f"{anchor['step_ms']:.0f} ms, {anchor['peak_gib']} GiB ({anchor['commit']})" if anchor else "-")
         if anchor and ok(off):
-            cells.append(f"{anchor[0] / off['ms_median']:.2f}x")
-            cells.append(f"{off['peak_gib'] / anchor[1]:.2f}x" if off["peak_gib"] is not None else "-")
+            cells.append(f"{anchor['step_ms'] / off['ms_median']:.2f}x")
+            cells.append(f"{off['peak_gib'] / anchor['peak_gib']:.2f}x" if off["peak_gib"] is not None else "-")
         else:
             cells += ["-", "-"]
-        lines.append(f"| {completion} | " + " | ".join(cells) + " |")
+        lines.append(harness.md_row(completion, *cells))
     off = by.get(("offload", MEMORY_GOAL_AT))
     if off is not None and not off["error"] and off["peak_gib"] is not None:
         verdict = "met" if off["peak_gib"] <= MEMORY_GOAL_GIB else "not met"
@@ -175,8 +179,9 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     parser.add_argument("--modes", default="checkpoint,offload")
     parser.add_argument("--completions", default="4096,16384")
     parser.add_argument("--warmup", type=int, default=2)
@@ -185,16 +190,16 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
     parser.add_argument("--system", default="fastgrpo", choices=["fastgrpo", "fastgrpo_save"],
                         help="backend options as in grpo_step.py: the gated MLP keeping gate/up, or the MLP op")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if "offload" in modes and "checkpoint" in modes:
         modes = ["checkpoint"] + [m for m in modes if m != "checkpoint"]  # the gradient reference first
     results = run(modes, [int(c) for c in args.completions.split(",")], args.warmup, args.repeat, args.tiny,
-                  args.inner, args.system)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"bench_offload_{args.system}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(table(results))
+                  args.inner, args.system, args.shape)
+    if not args.tiny:
+        rows = [dict(shape=args.shape, system=args.system, **r) for r in results]
+        print(f"rows appended to {harness.record('bench_offload', rows)}")
+    print(table(results, unsloth_rows(args.shape)))
     return 0
 
 

@@ -3,8 +3,8 @@ and a bare Triton launch. A GRPO step at short completions makes ~250 such calls
 
     python bench/bench_op_host.py            # eager calls, then a compiled training block (fwd+bwd) calling all three
     python bench/bench_op_host.py --dry-run  # CPU: the harness on the torch path, times meaningless
+Rows are appended to bench/results/bench_op_host.jsonl (CUDA runs).
 """
-import argparse
 import os
 import sys
 import time
@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from fastgrpo.kernels.rope import rope  # noqa: E402
 
@@ -46,22 +47,20 @@ def host_us(fn, calls):
     """Host microseconds a call, the queue never waited on (the kernels are tiny)."""
     for _ in range(20):
         fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    harness.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     us = (time.perf_counter() - start) / calls * 1e6
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    harness.synchronize()
     return us
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--dry-run", action="store_true", help="CPU, torch path: checks the harness only")
     parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     calls = 20 if device == "cpu" else args.calls
 
@@ -82,9 +81,15 @@ def main():
     if device == "cuda":
         cases["bare Triton launch"] = lambda: _copy_kernel[(1,)](buf, 64, BLOCK=64)
     print(f"host us a call, {device}, {calls} calls")
+    rows = []
+
+    def report(name, us, n_calls):
+        print(harness.md_row(name, f"{us:.1f}"), flush=True)
+        rows.append(dict(case=name, host_us=us, calls=n_calls, device=device))
+
     with torch.no_grad():
         for name, fn in cases.items():
-            print(f"| {name} | {host_us(fn, calls):.1f} |", flush=True)
+            report(name, host_us(fn, calls), calls)
 
     inputs = (x, residual, w, q_rows, k_rows, cos, sin)
     for t in inputs[:5]:
@@ -96,8 +101,10 @@ def main():
 
     compiled = torch.compile(block, backend="inductor" if device == "cuda" else "aot_eager")
     training_calls = max(1, calls // 5)
-    print(f"| block fwd+bwd, eager ops | {host_us(lambda: forward_backward(block), training_calls):.1f} |")
-    print(f"| block fwd+bwd, compiled | {host_us(lambda: forward_backward(compiled), training_calls):.1f} |")
+    report("block fwd+bwd, eager ops", host_us(lambda: forward_backward(block), training_calls), training_calls)
+    report("block fwd+bwd, compiled", host_us(lambda: forward_backward(compiled), training_calls), training_calls)
+    if device == "cuda":
+        print(f"rows appended to {harness.record('bench_op_host', rows)}")
 
 
 if __name__ == "__main__":

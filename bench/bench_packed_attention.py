@@ -5,22 +5,21 @@ heads (12 query / 2 key-value, D 128); segments of the spread batch (prompt 256 
 4096, seed 0, as bench/grpo_step.py --spread). q, k, v are transposed views of [1, T, heads, D], as the
 model's projections make them. Each kernel's output and gradients are compared, on the first two segments,
 with float32 math attention of each segment alone (max abs error relative to the reference's largest value).
+Rows are appended to bench/results/bench_packed_attention.jsonl.
 
     python bench/bench_packed_attention.py            # CUDA
+    python bench/bench_packed_attention.py --prompt 8 --completion 32   # CPU smoke run (CUDA kernels refused)
 """
-import argparse
+import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from grpo_step import spread_lengths  # noqa: E402
-
-SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "llama-8b": (32, 8, 128)}
 
 
 def flex_runner(lengths, heads, kv_heads, device):
@@ -114,22 +113,33 @@ def reference(q, k, v, grad, lengths, heads, kv_heads, segments=2):
     return [torch.cat(parts, dim=2) for parts in zip(*results)], start
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b"])
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b"],
+                        choices=sorted(harness.SHAPES), metavar="SHAPE")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--completion", type=int, default=4096)
-    args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    args = parser.parse_args(argv)
+    device = harness.device()
+    print(f"{harness.hardware()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     lengths = [args.prompt + n for n in spread_lengths(args.completion)]
     print(f"segments {lengths}, {sum(lengths)} tokens")
-    print("| shape | kernel | fwd ms | fwd+bwd ms | vs flex (fwd+bwd) | max error (out, dq, dk, dv) |")
-    print("|---|---|---|---|---|---|")
+    print(harness.md_header("shape", "kernel", "fwd ms", "fwd+bwd ms", "vs flex (fwd+bwd)",
+                            "max error (out, dq, dk, dv)"))
+    rows = []
+
+    def refused(shape, name, text):
+        print(harness.md_row(shape, name, text), flush=True)
+        rows.append(dict(shape=shape, prompt=args.prompt, completion=args.completion, kernel=name, error=text))
+
     for shape in args.shapes:
-        heads, kv_heads, dim = SHAPES[shape]
+        heads, kv_heads, dim = harness.attention_shape(shape)
         torch.manual_seed(0)
         total = sum(lengths)
-        make = lambda h: torch.randn(1, total, h, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+
+        def make(h):
+            return torch.randn(1, total, h, dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
+
         q, k, v = (make(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
         grad = make(heads)
         ref, upto = reference(q, k, v, grad, lengths, heads, kv_heads)
@@ -140,23 +150,27 @@ def main():
                 got = forward_backward(run, q, k, v, grad)
             except Exception as error:  # a kernel this torch or GPU refuses: say so, time the others
                 if name == "cudnn varlen" and not cudnn_varlen_runner.expand and heads != kv_heads:
-                    print(f"| {shape} | {name} | refused with grouped heads: {str(error).splitlines()[0][:90]} |")
+                    refused(shape, name, f"refused with grouped heads: {str(error).splitlines()[0][:90]}")
                     cudnn_varlen_runner.expand = True
                     name, run = name + " (k, v repeated)", build(lengths, heads, kv_heads, q.device)
                     try:
                         got = forward_backward(run, q, k, v, grad)
                     except Exception as again:
-                        print(f"| {shape} | {name} | refused: {str(again).splitlines()[0][:90]} |")
+                        refused(shape, name, f"refused: {str(again).splitlines()[0][:90]}")
                         continue
                 else:
-                    print(f"| {shape} | {name} | refused: {type(error).__name__}: {str(error).splitlines()[0][:90]} |")
+                    refused(shape, name, f"refused: {type(error).__name__}: {str(error).splitlines()[0][:90]}")
                     continue
-            errors = ", ".join(f"{((a[:, :, :upto].float() - b).abs().max() / b.abs().max()).item():.1e}"
-                               for a, b in zip(got, ref))
-            fwd = triton.testing.do_bench(lambda: run(q, k, v), warmup=25, rep=200)
-            both = triton.testing.do_bench(lambda: forward_backward(run, q, k, v, grad), warmup=25, rep=200)
+            errors = [((a[:, :, :upto].float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref)]
+            fwd = harness.kernel_ms(lambda: run(q, k, v), warmup=25, rep=200)
+            both = harness.kernel_ms(lambda: forward_backward(run, q, k, v, grad), warmup=25, rep=200)
             flex_ms = flex_ms or both
-            print(f"| {shape} | {name} | {fwd:.3f} | {both:.3f} | {flex_ms / both:.2f}x | {errors} |", flush=True)
+            print(harness.md_row(shape, name, f"{fwd:.3f}", f"{both:.3f}", f"{flex_ms / both:.2f}x",
+                                 ", ".join(f"{e:.1e}" for e in errors)), flush=True)
+            rows.append(dict(shape=shape, prompt=args.prompt, completion=args.completion, kernel=name, fwd_ms=fwd,
+                             fwd_bwd_ms=both, max_rel_errors=errors))
+    if device.type == "cuda":
+        print(f"rows appended to {harness.record('bench_packed_attention', rows)}")
 
 
 if __name__ == "__main__":

@@ -17,24 +17,22 @@ Times are medians of triton.testing.do_bench (with the Python launch overhead) a
 do_bench_cudagraph (GPU time only).
 The row "same bytes" is no RMSNorm: two compiled pointwise kernels (one for the forward, one for the
 backward) that read and write exactly the bytes counted above, the ceiling the op's kernels can reach at
-that size on this device, launch and drain included.
-If OUT is set, results also go to $OUT/bench_rms_norm.json.
+that size on this device, launch and drain included. % peak: share of the H200's device-to-device copy rate
+(bench/_harness.py's COPY_TBPS). The table's rows are appended to bench/results/bench_rms_norm.jsonl.
 """
-import argparse
 import itertools
-import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from fastgrpo.kernels import rms_norm as fastgrpo_rms  # noqa: E402
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
-DEVICE_COPY_TBPS = 4.3  # measured device-to-device copy bandwidth of the H200 (DESIGN.md §4)
+DEVICE_COPY_TBPS = harness.COPY_TBPS
 
 
 def eager_rms_norm(x, weight):  # LlamaRMSNorm.forward
@@ -155,10 +153,8 @@ def check_agreement(mode, fns, rows, H, device, weight_grad=True):
 def timings(step, mode, rows, H):
     """Medians of `step` with launch overhead (do_bench, with p20/p80) and as CUDA-graph replays, and the GB/s
     of the op's counted bytes at each."""
-    import triton.testing
-
-    ms, ms20, ms80 = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=200)
-    ms_graph = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+    ms, ms20, ms80 = harness.kernel_ms(step, quantiles=[0.5, 0.2, 0.8], rep=200)
+    ms_graph = harness.graph_ms(step, rep=100)
     return dict(ms=ms, ms_p20=ms20, ms_p80=ms80, ms_cudagraph=ms_graph,
                 gbps=bytes_moved(mode, rows, H) / (ms * 1e-3) / 1e9,
                 gbps_cudagraph=bytes_moved(mode, rows, H) / (ms_graph * 1e-3) / 1e9)
@@ -172,12 +168,7 @@ def bench(mode, rows, H, with_inductor, with_liger, weight_grad=True):
         inputs, grads = make_inputs(mode, rows, H, "cuda", weight_grad=weight_grad)
         step = fwd_bwd(fn, inputs, grads)
         step()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        _, peak = harness.peak_above(step)
         results[name] = dict(timings(step, mode, rows, H), peak_extra_mib=peak / 2**20)
     step = same_bytes_step(mode, rows, H)
     step()
@@ -241,47 +232,43 @@ def sweep(rows, hidden_sizes, kinds, stages):
     (kind, H) against the current default ("now")."""
     import time
 
-    import triton.testing
-
-    saved = fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config
     peak_gbps = DEVICE_COPY_TBPS * 1e3
     started = time.perf_counter()
     best_lines = []
-    try:
-        for H in hidden_sizes:
-            (x, res, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
-            x, res, w = x.detach(), res.detach(), w.detach()
-            for kind in kinds:
-                if kind == "fwd":
-                    def fn():
-                        return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
-                elif kind == "add_fwd":
-                    def fn():
-                        return torch.ops.fastgrpo.add_rms_norm(x, res, w, EPS, 0.0, False, DTYPE)
-                else:
-                    def fn(need_dw=kind.endswith("+dw"), grad_sum=dsum if kind.startswith("add") else None):
-                        return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, need_dw)
+    for H in hidden_sizes:
+        (x, res, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
+        x, res, w = x.detach(), res.detach(), w.detach()
+        for kind in kinds:
+            if kind == "fwd":
+                def fn():
+                    return torch.ops.fastgrpo.rms_norm(x, w, EPS, 0.0, False, DTYPE)
+            elif kind == "add_fwd":
+                def fn():
+                    return torch.ops.fastgrpo.add_rms_norm(x, res, w, EPS, 0.0, False, DTYPE)
+            else:
+                def fn(need_dw=kind.endswith("+dw"), grad_sum=dsum if kind.startswith("add") else None):
+                    return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, need_dw)
 
-                def gbps(ms):
-                    return SWEEP_BYTES_PER_ELEM[kind] * rows * H / (ms * 1e-3) / 1e9
+            def gbps(ms):
+                return SWEEP_BYTES_PER_ELEM[kind] * rows * H / (ms * 1e-3) / 1e9
 
-                timings = []
-                for block_row, num_warps, per_sm, n_stages in sweep_configs(kind, H, stages):
-                    fastgrpo_rms._fwd_config = lambda *_, c=(block_row, num_warps): c
-                    fastgrpo_rms._bwd_config = lambda *_, c=(block_row, num_warps, per_sm, n_stages): c
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-                    timings.append((ms, n_stages, block_row, num_warps, per_sm))
-                    print(f"H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
-                          f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%)", flush=True)
-                fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
-                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                ms, n_stages, block_row, num_warps, per_sm = min(timings, key=lambda t: t[0])
-                best_lines.append(f"BEST H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
-                                  f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%); "
-                                  f"now {now * 1e3:.1f}us ({100 * gbps(now) / peak_gbps:.0f}%), x{now / ms:.2f}")
-    finally:
-        fastgrpo_rms._fwd_config, fastgrpo_rms._bwd_config = saved
-    print(f"\n{torch.cuda.get_device_name()}, rows {rows}, bf16, % of {DEVICE_COPY_TBPS} TB/s; "
+            def settings(config):
+                block_row, num_warps, per_sm, n_stages = config
+                return [(fastgrpo_rms, "_fwd_config", lambda *_: (block_row, num_warps)),
+                        (fastgrpo_rms, "_bwd_config", lambda *_: (block_row, num_warps, per_sm, n_stages))]
+
+            def report(config, ms):
+                block_row, num_warps, per_sm, n_stages = config
+                print(f"H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
+                      f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%)", flush=True)
+
+            now, timings = harness.time_launch_configs(fn, sweep_configs(kind, H, stages), settings, rep=20,
+                                                       now_rep=30, report=report)
+            ms, (block_row, num_warps, per_sm, n_stages) = timings[0]
+            best_lines.append(f"BEST H={H} {kind:10s} stages {n_stages} br{block_row} w{num_warps} sm*{per_sm}: "
+                              f"{ms * 1e3:.1f}us ({gbps(ms):.0f} GB/s, {100 * gbps(ms) / peak_gbps:.0f}%); "
+                              f"now {now * 1e3:.1f}us ({100 * gbps(now) / peak_gbps:.0f}%), x{now / ms:.2f}")
+    print(f"\n{harness.hardware()}, rows {rows}, bf16, % of {DEVICE_COPY_TBPS} TB/s; "
           f"sweep took {time.perf_counter() - started:.0f} s")
     print("\n".join(best_lines))
 
@@ -290,38 +277,33 @@ def sweep_reduce(rows, hidden_sizes):
     """GPU time of the backward with dW (plain and with the residual's gradient) for each dW reduction
     configuration (partials per load, columns per program, warps) and number of backward programs per SM
     (fewer programs, fewer partials to reduce); used to set _dw_reduce_config."""
-    import triton.testing
-
-    saved = fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config
+    configs = [(per_sm, block_p, block_c, num_warps) for per_sm, block_p, block_c, num_warps in itertools.product(
+        (4, 6, 8), (512, 1024, 2048), (4, 8, 16, 32), (4, 8, 16)) if 4 <= block_p * block_c // (32 * num_warps) <= 64]
     best_lines = []
-    try:
-        for H in hidden_sizes:
-            (x, _, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
-            x, w = x.detach(), w.detach()
-            for grad_sum in (None, dsum):
-                def fn():
-                    return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, True)
+    for H in hidden_sizes:
+        (x, _, w), (dy, dsum) = make_inputs("add+rms", rows, H, "cuda")
+        x, w = x.detach(), w.detach()
+        for grad_sum in (None, dsum):
+            def fn():
+                return torch.ops.fastgrpo.rms_norm_backward(dy, grad_sum, x, w, EPS, 0.0, False, True, True)
 
-                kind = "add_bwd+dw" if grad_sum is not None else "bwd+dw"
-                now = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                default = saved[0](H, True, True, grad_sum is not None)
-                timings = []
-                for per_sm, block_p, block_c, num_warps in itertools.product(
-                        (4, 6, 8), (512, 1024, 2048), (4, 8, 16, 32), (4, 8, 16)):
-                    if not 4 <= block_p * block_c // (32 * num_warps) <= 64:
-                        continue
-                    fastgrpo_rms._bwd_config = lambda *_, c=(*default[:2], per_sm, default[3]): c
-                    fastgrpo_rms._dw_reduce_config = lambda programs, c=(block_p, block_c, num_warps): c
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-                    timings.append((ms, per_sm, block_p, block_c, num_warps))
-                    print(f"H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: {ms * 1e3:.1f}us",
-                          flush=True)
-                fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config = saved
-                ms, per_sm, block_p, block_c, num_warps = min(timings)
-                best_lines.append(f"BEST H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: "
-                                  f"{ms * 1e3:.1f}us; now {now * 1e3:.1f}us")
-    finally:
-        fastgrpo_rms._bwd_config, fastgrpo_rms._dw_reduce_config = saved
+            kind = "add_bwd+dw" if grad_sum is not None else "bwd+dw"
+            default = fastgrpo_rms._bwd_config(H, True, True, grad_sum is not None)
+
+            def settings(config):
+                per_sm, block_p, block_c, num_warps = config
+                return [(fastgrpo_rms, "_bwd_config", lambda *_: (*default[:2], per_sm, default[3])),
+                        (fastgrpo_rms, "_dw_reduce_config", lambda programs: (block_p, block_c, num_warps))]
+
+            def report(config, ms):
+                per_sm, block_p, block_c, num_warps = config
+                print(f"H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: {ms * 1e3:.1f}us",
+                      flush=True)
+
+            now, timings = harness.time_launch_configs(fn, configs, settings, rep=20, now_rep=30, report=report)
+            ms, (per_sm, block_p, block_c, num_warps) = timings[0]
+            best_lines.append(f"BEST H={H} {kind} sm*{per_sm} reduce p{block_p} c{block_c} w{num_warps}: "
+                              f"{ms * 1e3:.1f}us; now {now * 1e3:.1f}us")
     print("\n".join(best_lines))
 
 
@@ -343,8 +325,8 @@ def dry_run():
           f"--sweep bwd+dw add_bwd+dw --stages 0 2 3 4 times {n_configs} configurations")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--hidden", type=int, nargs="+", default=[576, 1536, 4096, 8192])
     parser.add_argument("--no-inductor", action="store_true")
@@ -359,7 +341,7 @@ def main():
                              "computes it)")
     parser.add_argument("--sweep-reduce", action="store_true",
                         help="time the dW reduction's configurations and the backward's programs per SM")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.dry_run:
         return dry_run()
     if not torch.cuda.is_available():
@@ -378,26 +360,23 @@ def main():
             print(f"{mode} H={H}: " + ", ".join(f"{n} {r['ms'] * 1e3:.0f}us" for n, r in res.items()), flush=True)
 
     peak_gbps = DEVICE_COPY_TBPS * 1e3
-    print(f"\n{torch.cuda.get_device_name()}, bf16, rows={args.rows}, fwd+bwd "
+    print(f"\n{harness.hardware()}, bf16, rows={args.rows}, fwd+bwd "
           f"{'without dW (frozen weight)' if args.frozen_weight else 'with dW'}; "
           f"% = share of {DEVICE_COPY_TBPS} TB/s; x = speed-up of fastgrpo over the provider\n")
-    print("| mode | H | provider | ms | GB/s | % peak | ms (CUDA graph) | GB/s (graph) | % peak (graph) "
-          "| extra peak MiB | fastgrpo x | fastgrpo x (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    cells = []
     for r in all_results:
         ours = next(o for o in all_results if o["mode"] == r["mode"] and o["hidden"] == r["hidden"]
                     and o["provider"] == "fastgrpo")
         r["fastgrpo_speedup"] = r["ms"] / ours["ms"]
         r["fastgrpo_speedup_cudagraph"] = r["ms_cudagraph"] / ours["ms_cudagraph"]
-        print(f"| {r['mode']} | {r['hidden']} | {r['provider']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-              f"{100 * r['gbps'] / peak_gbps:.0f} | {r['ms_cudagraph']:.4f} | {r['gbps_cudagraph']:.0f} | "
-              f"{100 * r['gbps_cudagraph'] / peak_gbps:.0f} | {r['peak_extra_mib']:.0f} | "
-              f"{r['fastgrpo_speedup']:.2f} | {r['fastgrpo_speedup_cudagraph']:.2f} |")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_rms_norm.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           frozen_weight=args.frozen_weight,
-                           results=all_results), f, indent=1)
+        cells.append((r["mode"], r["hidden"], r["provider"], f"{r['ms']:.4f}", f"{r['gbps']:.0f}",
+                      f"{100 * r['gbps'] / peak_gbps:.0f}", f"{r['ms_cudagraph']:.4f}", f"{r['gbps_cudagraph']:.0f}",
+                      f"{100 * r['gbps_cudagraph'] / peak_gbps:.0f}", f"{r['peak_extra_mib']:.0f}",
+                      f"{r['fastgrpo_speedup']:.2f}", f"{r['fastgrpo_speedup_cudagraph']:.2f}"))
+    print(harness.markdown_table(("mode", "H", "provider", "ms", "GB/s", "% peak", "ms (CUDA graph)", "GB/s (graph)",
+                                  "% peak (graph)", "extra peak MiB", "fastgrpo x", "fastgrpo x (graph)"), cells))
+    rows = [dict(frozen_weight=args.frozen_weight, torch=torch.__version__, **r) for r in all_results]
+    print(f"rows appended to {harness.record('bench_rms_norm', rows)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark fastgrpo::rope against eager HF RoPE, inductor and Liger (bf16, GPU).
 
-    python bench/bench_rope.py            # H200: Qwen2.5-1.5B and Llama-8B head shapes, 32k tokens
+    python bench/bench_rope.py            # H200: Qwen2.5-1.5B and Llama-3.1-8B head shapes, 32k tokens
     python bench/bench_rope.py --dry-run  # CPU: tiny shapes, checks the harness and the maths
 
 q and k are made the way HF makes them: [B, S, H, D] projections transposed to [B, H, S, D]
@@ -8,26 +8,23 @@ q and k are made the way HF makes them: [B, S, H, D] projections transposed to [
 written, cos and sin read (their first halves only for Liger, which assumes the halves repeat, and
 for `fastgrpo_half`: the op given cos/sin at half width, as the rope pass passes them where the
 graph proves the halves repeat). Liger rotates in place and takes cos/sin before the unsqueeze.
-Writes $OUT/bench_rope.json when OUT is set.
+The table's rows are appended to bench/results/bench_rope.jsonl.
 """
-import argparse
 import itertools
-import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from fastgrpo.kernels.rope import rope  # noqa: E402
 
-SHAPES = {  # name: (q heads, kv heads, head dim)
-    "qwen2.5-1.5b": (12, 2, 128),
-    "llama-8b": (32, 8, 128),
-}
+# name: (q heads, kv heads, head dim)
+SHAPES = {name: harness.attention_shape(name) for name in ("qwen2.5-1.5b", "llama-3.1-8b")}
 TOKENS = 32768
 BATCH = 8  # 8 completions of 4096 tokens, GRPO-like
-COPY_BANDWIDTH = 4.3e12  # device-to-device copy measured on the H200 (DESIGN.md §4)
+COPY_BANDWIDTH = harness.COPY_TBPS * 1e12
 
 
 def rotate_half(x):
@@ -74,8 +71,6 @@ def make_inputs(n_q, n_kv, head_dim, batch, seq, device, dtype):
 
 def bench(fn, q, k, cos, sin, mode, device):
     """Median ms (p20, p80) and peak extra bytes for one mode: fwd, bwd or full."""
-    import triton.testing
-
     q = q.detach().requires_grad_(mode != "fwd")
     k = k.detach().requires_grad_(mode != "fwd")
     if mode == "fwd":
@@ -98,20 +93,15 @@ def bench(fn, q, k, cos, sin, mode, device):
                 grads = [torch.randn_like(o) for o in outs]
             return torch.autograd.grad(outs, (q, k), grads)
     step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    _, peak = harness.peak_above(step)
+    ms = harness.kernel_ms(step, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
     # Replayed as a CUDA graph, the forward's time is the GPU's alone: at 32k tokens a RoPE kernel
     # takes ~0.1 ms, less than a custom op's Python dispatch, so eager timings measure the host.
     # (Here bwd and full have eager timings only; `--rounds` replays forward + backward as a graph.)
     gpu_ms = None
     if mode == "fwd":
         try:
-            gpu_ms = triton.testing.do_bench_cudagraph(step)
+            gpu_ms = harness.graph_ms(step, rep=20, return_mode="mean")
         except RuntimeError as e:  # a provider that cannot be captured keeps its eager timing only
             print(f"CUDA-graph timing unavailable: {e}")
     return ms, peak, gpu_ms
@@ -121,35 +111,25 @@ def sweep(device):
     """GPU time of the forward and backward kernels for each launch configuration (positions
     per program x warps) at the benchmark shapes; used to set rope._cuda_config."""
     import triton
-    import triton.testing
 
     from fastgrpo.kernels import rope as rope_module
 
-    saved = rope_module._cuda_config
-    try:
-        for name, (n_q, n_kv, head_dim) in SHAPES.items():
-            q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
-            block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_kv)
-            for backward, cos_width in itertools.product((False, True), (head_dim, head_dim // 2)):
-                op = torch.ops.fastgrpo.rope_backward if backward else torch.ops.fastgrpo.rope
-                args = ((q, k, cos[..., :cos_width], sin[..., :cos_width], head_dim, False)
-                        + ((q.dtype, k.dtype) if backward else ()))
-                moved = (2 * (q.numel() + k.numel()) * q.element_size()
-                         + 2 * cos.numel() * cos.element_size() * cos_width // head_dim)
-                timings = []
-                for block_s, num_warps in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
-                    rope_module._cuda_config = lambda *_, c=(block_hq, block_hk, block_s, num_warps): c
-                    ms = triton.testing.do_bench_cudagraph(lambda: op(*args), rep=50, return_mode="median")
-                    timings.append((ms, block_s, num_warps))
-                rope_module._cuda_config = saved
-                now = triton.testing.do_bench_cudagraph(lambda: op(*args), rep=50, return_mode="median")
-                timings.sort()
-                best = ", ".join(f"s{bs} w{nw}: {ms * 1e3:.1f}us ({100 * moved / (ms * 1e-3) / COPY_BANDWIDTH:.0f}%)"
-                                 for ms, bs, nw in timings[:5])
-                print(f"{name} {'bwd' if backward else 'fwd'} cos width {cos_width}: now {now * 1e3:.1f}us; "
-                      f"best: {best}", flush=True)
-    finally:
-        rope_module._cuda_config = saved
+    for name, (n_q, n_kv, head_dim) in SHAPES.items():
+        q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
+        block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_kv)
+        for backward, cos_width in itertools.product((False, True), (head_dim, head_dim // 2)):
+            op = torch.ops.fastgrpo.rope_backward if backward else torch.ops.fastgrpo.rope
+            args = ((q, k, cos[..., :cos_width], sin[..., :cos_width], head_dim, False)
+                    + ((q.dtype, k.dtype) if backward else ()))
+            moved = (2 * (q.numel() + k.numel()) * q.element_size()
+                     + 2 * cos.numel() * cos.element_size() * cos_width // head_dim)
+            now, timings = harness.time_launch_configs(
+                lambda: op(*args), list(itertools.product((1, 2, 4, 8), (1, 2, 4, 8))),
+                lambda c: [(rope_module, "_cuda_config", lambda *_: (block_hq, block_hk, *c))], rep=50)
+            best = ", ".join(f"s{bs} w{nw}: {ms * 1e3:.1f}us ({100 * moved / (ms * 1e-3) / COPY_BANDWIDTH:.0f}%)"
+                             for ms, (bs, nw) in timings[:5])
+            print(f"{name} {'bwd' if backward else 'fwd'} cos width {cos_width}: now {now * 1e3:.1f}us; "
+                  f"best: {best}", flush=True)
 
 
 def graph_rounds(providers, rounds, device):
@@ -160,8 +140,6 @@ def graph_rounds(providers, rounds, device):
     output gradients (Liger rotates q, k and those gradients in place at every replay: a rotation keeps their
     magnitude, so the timing holds)."""
     import statistics
-
-    import triton.testing
 
     for name, (n_q, n_kv, head_dim) in SHAPES.items():
         q, k, cos, sin = make_inputs(n_q, n_kv, head_dim, BATCH, TOKENS // BATCH, device, torch.bfloat16)
@@ -179,8 +157,7 @@ def graph_rounds(providers, rounds, device):
                         def step(fn=fn):
                             outs = fn(q_grad, k_grad, cos, sin)
                             return torch.autograd.grad(outs, (q_grad, k_grad), out_grads)
-                    times[provider].append(
-                        triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3)
+                    times[provider].append(harness.graph_ms(step, rep=50) * 1e3)
             ours = statistics.median(times["fastgrpo_half"])
             print(f"\n{name}, {mode}, CUDA-graph us, {rounds} rounds (median, min-max), "
                   "ratio = provider / fastgrpo_half")
@@ -203,14 +180,14 @@ def dry_run():
             assert err < 1e-5
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the harness")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations")
     parser.add_argument("--rounds", type=int, default=0, metavar="N",
                         help="only the CUDA-graph times (forward, forward + backward) of each provider, N rounds "
                              "taking turns; medians")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.dry_run or not torch.cuda.is_available():
         dry_run()
         return
@@ -246,18 +223,18 @@ def main():
         if r["gpu_ms"] is not None and fast["gpu_ms"] is not None:
             r["gpu_speedup_vs"] = r["gpu_ms"] / fast["gpu_ms"]
             r["gpu_pct_of_copy_bw"] = 100 * r["gpu_gbps"] * 1e9 / COPY_BANDWIDTH
-    print(f"\nRoPE, bf16, {TOKENS} tokens (B={BATCH}), q/k transposed views, {torch.cuda.get_device_name()}")
-    print("| shape | mode | provider | eager ms (p20-p80) | GB/s | peak MiB | ms / fastgrpo ms | "
-          "CUDA-graph us | GB/s | % of 4.3 TB/s | us / fastgrpo us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\nRoPE, bf16, {TOKENS} tokens (B={BATCH}), q/k transposed views, {harness.hardware()}")
+    cells = []
     for r in rows:
-        gpu = (f"{r['gpu_ms'] * 1e3:.1f} | {r['gpu_gbps']:.0f} | {r['gpu_pct_of_copy_bw']:.0f} | {r['gpu_speedup_vs']:.2f}"
-               if "gpu_speedup_vs" in r else " | | | ")
-        print(f"| {r['shape']} | {r['mode']} | {r['provider']} | {r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f}) | "
-              f"{r['gbps']:.0f} | {r['peak_mib']:.0f} | {r['speedup_vs']:.2f} | {gpu} |")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_rope.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), tokens=TOKENS, batch=BATCH, rows=rows), f, indent=1)
+        gpu = ((f"{r['gpu_ms'] * 1e3:.1f}", f"{r['gpu_gbps']:.0f}", f"{r['gpu_pct_of_copy_bw']:.0f}",
+                f"{r['gpu_speedup_vs']:.2f}") if "gpu_speedup_vs" in r else ("", "", "", ""))
+        cells.append((r["shape"], r["mode"], r["provider"], f"{r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f})",
+                      f"{r['gbps']:.0f}", f"{r['peak_mib']:.0f}", f"{r['speedup_vs']:.2f}", *gpu))
+    print(harness.markdown_table(("shape", "mode", "provider", "eager ms (p20-p80)", "GB/s", "peak MiB",
+                                  "ms / fastgrpo ms", "CUDA-graph us", "GB/s", f"% of {harness.COPY_TBPS} TB/s",
+                                  "us / fastgrpo us"), cells))
+    rows = [dict(tokens=TOKENS, batch=BATCH, **r) for r in rows]
+    print(f"rows appended to {harness.record('bench_rope', rows)}")
 
 
 if __name__ == "__main__":

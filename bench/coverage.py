@@ -20,8 +20,6 @@ RoPE or a gated MLP are listed with the reason.
 
 Nothing is cached: every run rebuilds and recompiles every model.
 """
-import argparse
-import datetime
 import gc
 import json
 import multiprocessing
@@ -36,10 +34,8 @@ import torch
 import transformers
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402
 import fastgrpo  # noqa: E402
 from fastgrpo.compiler.report import CAPTURE_FLAGS, GraphBreakLog, is_data_dependent_break  # noqa: E402
 from fastgrpo.compiler.tiny import _SMALL, ALIASES  # noqa: E402
@@ -688,7 +684,7 @@ def write_markdown(results: list[dict], path: Path, meta: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--archs", help="comma-separated model_types (default: every causal LM in transformers)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1: run in this process)")
     parser.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
@@ -704,8 +700,8 @@ def main(argv=None) -> int:
     _quiet()
     archs = args.archs.split(",") if args.archs else causal_lm_archs()
     if not args.archs or args.update:
-        args.md = args.md or REPO / "docs" / "SUPPORT.md"
-        args.json = args.json or REPO / "docs" / "support.json"
+        args.md = args.md or harness.REPO / "docs" / "SUPPORT.md"
+        args.json = args.json or harness.REPO / "docs" / "support.json"
     previous = None
     if args.update:
         if not args.archs:
@@ -725,8 +721,9 @@ def main(argv=None) -> int:
         for task in tasks:
             results.append(_worker(task))
             _print(results[-1])
-    today = datetime.date.today().isoformat()
-    meta = {"date": today, "transformers": transformers.__version__,
+    stamp = harness.stamp()
+    today = stamp["date"]
+    meta = {**stamp, "transformers": transformers.__version__,
             "torch": torch.__version__, "inner": args.inner, "lora": args.lora, "seq_len": args.seq_len}
     rows = results
     if previous is not None:  # the sweep's rows, these archs' replaced (or added) in place

@@ -5,15 +5,16 @@ backend) and runs the GRPO policy-loss step on its own batch of G=8 completions 
 process: grpo_step's own step, no DDP. Several: the decoder wrapped in DistributedDataParallel, so the LoRA
 gradients are all-reduced during the backward. Prints tokens/s over all ranks (the slowest rank's median step
 sets the pace), each rank's peak memory, and the scaling efficiency tokens/s(N) / (N * tokens/s(1)), with the
-1-process numbers taken from --baseline-json or, with --local-baseline, measured in the same launch by running
-the step without DDP on every rank first. Each DDP record also times one all-reduce of as many bytes as the
-trainable gradients (what DDP moves per step, overlapped with the backward where the buckets allow).
+1-process numbers taken from the latest 1-process rows of --baseline (default bench/results/grpo_scaling.jsonl) on
+this hardware or, with --local-baseline, measured in the same launch by running the step without DDP on every rank
+first. Each DDP record also times one all-reduce of as many bytes as the trainable gradients (what DDP moves per
+step, overlapped with the backward where the buckets allow).
 
     torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096
-    torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --baseline-json $OUT/grpo_scaling.json
+    torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096      # against the 1-process rows
     torchrun --nproc_per_node 2 bench/grpo_scaling.py --tiny --inner aot_eager       # CPU, gloo: the script runs
 
-With OUT set, each run adds its records to $OUT/grpo_scaling.json (created if missing).
+Each run appends its records to bench/results/grpo_scaling.jsonl (rank 0; not with --tiny).
 """
 import os
 
@@ -21,8 +22,6 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ import time
 import torch
 import torch.distributed as dist
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # grpo_step beside this file; fastgrpo from the checkout
-import grpo_step  # noqa: E402  (the anchor workload: build_policy, make_step, grpo_loss, PROMPT, GROUP)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
+import grpo_step  # noqa: E402  (the workload: build_policy, make_step, grpo_loss, PROMPT, GROUP)
 
 
 def ddp_step(ddp_decoder, head: torch.Tensor, completion: int):
@@ -54,12 +53,10 @@ def time_step(step, model, completion: int, vocab: int, device, warmup: int, rep
     mask = torch.ones(grpo_step.GROUP, completion, device=device)
     adv = torch.randn(grpo_step.GROUP, generator=generator).to(device)
     grpo_step.timed_steps(step, (ids, mask, adv), model, warmup)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    harness.reset_peak()
     # Every rank starts each step together, so a rank's time includes waiting in the all-reduce.
     times = grpo_step.timed_steps(step, (ids, mask, adv), model, repeat, before_each=dist.barrier)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"ms": statistics.median(times), "peak_gib": peak}
+    return {"ms": statistics.median(times), "peak_gib": harness.peak_gib()}
 
 
 def allreduce_ms(params, device, repeat: int = 10) -> float:
@@ -70,8 +67,7 @@ def allreduce_ms(params, device, repeat: int = 10) -> float:
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(buffer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        harness.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[2:])
 
@@ -99,36 +95,43 @@ def efficiency(record: dict, baseline: dict | None) -> float | None:
     return record["tokens_per_s"] / (record["gpus"] * baseline["tokens_per_s"])
 
 
-def load_baselines(path: str) -> dict[int, dict]:
-    """1-process records of an earlier run, by completion length."""
-    with open(path) as f:
-        records = json.load(f)["records"]
-    return {r["completion"]: r for r in records if r["gpus"] == 1 and not r["ddp"]}
+def load_baselines(path, shape: str, tiny: bool) -> dict[int, dict]:
+    """The latest 1-process rows of a JSON-lines results file on this hardware, by completion length."""
+    if not os.path.exists(path):
+        return {}
+    here = harness.hardware()
+    return {r["completion"]: r for r in harness.read_rows(path)
+            if r["gpus"] == 1 and not r["ddp"] and r.get("hardware") == here and r.get("shape") == shape
+            and r.get("tiny") == tiny and not r.get("concurrent_ranks")}
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| GPUs | completion | DDP | step ms (slowest rank) | tokens/s (all ranks) | peak GiB per rank | scaling efficiency | all-reduce of the LoRA gradients, ms |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = []
     for r in records:
         peaks = ", ".join("-" if p is None else f"{p}" for p in r["peak_gib"])
         eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f} (vs {r['baseline']})"
-        lines.append(f"| {r['gpus']} | {r['completion']} | {'yes' if r['ddp'] else 'no'} | {r['step_ms']:.0f} | "
-                     f"{r['tokens_per_s']} | {peaks} | {eff} | {r.get('allreduce_ms', '-')} |")  # fmt: skip
-    return "\n".join(lines)
+        rows.append((r["gpus"], r["completion"], "yes" if r["ddp"] else "no", f"{r['step_ms']:.0f}", r["tokens_per_s"],
+                     peaks, eff, r.get("allreduce_ms", "-")))
+    return harness.markdown_table(("GPUs", "completion", "DDP", "step ms (slowest rank)", "tokens/s (all ranks)",
+                                   "peak GiB per rank", "scaling efficiency", "all-reduce of the LoRA gradients, ms"),
+                                  rows)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     parser.add_argument("--completions", default="1024,4096")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="grpo_step's 2-layer model: checks the script (CPU + gloo is fine)")
-    parser.add_argument("--baseline-json", help="a grpo_scaling.json holding 1-process records to compare against")
+    parser.add_argument("--baseline", default=str(harness.results_path("grpo_scaling")), metavar="JSONL",
+                        help="results whose latest 1-process rows (this hardware and shape) the DDP rows are compared "
+                             "against (default %(default)s)")
     parser.add_argument("--local-baseline", action="store_true",
                         help="also time the step without DDP on every rank first, as the 1-process baseline")
     parser.add_argument("--inner", choices=["inductor", "aot_eager", "eager"],
                         help="the fastgrpo backend's inner compiler (default: grpo_step's, i.e. inductor)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     completions = [int(c) for c in args.completions.split(",")]
 
     cuda = torch.cuda.is_available()
@@ -141,7 +144,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
-    model = grpo_step.build_policy("fastgrpo", grpo_step.PROMPT + max(completions) + 8, args.tiny)
+    model = grpo_step.build_policy("fastgrpo", grpo_step.PROMPT + max(completions) + 8, args.tiny, args.shape)
     base = model.get_base_model()
     if args.inner is not None:
         import fastgrpo
@@ -158,7 +161,7 @@ def main() -> int:
                                       broadcast_buffers=False, gradient_as_bucket_view=True)  # fmt: skip
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    baselines = load_baselines(args.baseline_json) if args.baseline_json else {}
+    baselines = {} if args.local_baseline else load_baselines(args.baseline, args.shape, args.tiny)
     records = []
     for completion in completions:
         plain = grpo_step.make_step("fastgrpo", model, completion)
@@ -182,7 +185,7 @@ def main() -> int:
         baseline = baselines.get(record["completion"])
         if record["gpus"] > 1 and baseline is not None:
             record["efficiency"] = round(efficiency(record, baseline), 3)
-            record["baseline"] = "same launch" if baseline.get("concurrent_ranks") else "--baseline-json"
+            record["baseline"] = "same launch" if baseline.get("concurrent_ranks") else baseline.get("commit", "--baseline")
 
     if rank == 0:
         import fastgrpo
@@ -192,19 +195,11 @@ def main() -> int:
             for name, rec in report["patterns"].items():
                 matched[name] = matched.get(name, 0) + rec["matched"]
         print(f"fastgrpo (rank 0): {len(fastgrpo.fusion_reports())} graphs compiled, sites matched: {matched}")
-        device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
         for record in records:
-            record.update(device=device_name, tiny=args.tiny)
-            print("RESULT " + json.dumps(record), flush=True)
-        if os.environ.get("OUT"):
-            path = os.path.join(os.environ["OUT"], "grpo_scaling.json")
-            saved = {"records": []}
-            if os.path.exists(path):
-                with open(path) as f:
-                    saved = json.load(f)
-            saved["records"] += records
-            with open(path, "w") as f:
-                json.dump(saved, f, indent=1)
+            record.update(shape=args.shape, tiny=args.tiny)
+            harness.emit(record)
+        if not args.tiny:
+            print(f"rows appended to {harness.record('grpo_scaling', records)}")
         print(table(records))
     dist.destroy_process_group()
     return 0

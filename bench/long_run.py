@@ -8,9 +8,9 @@ as a rising line. Issue 8's criterion: flat from step 50 to the end.
 
     python bench/long_run.py                      # H200: 200 steps, completions 256..1024
     python bench/long_run.py --tiny --steps 20    # CPU: checks the harness
-Writes $OUT/long_run.json when OUT is set.
+The run's row (its windows, the growth between the first and the last) is appended to bench/results/long_run.jsonl
+(not with --tiny).
 """
-import argparse
 import json
 import os
 import random
@@ -20,20 +20,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 from grpo_step import GROUP, PROMPT, build_policy, make_step, with_mixed_precision  # noqa: E402
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--min-completion", type=int, default=256)
     parser.add_argument("--max-completion", type=int, default=1024)
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
-    model = build_policy("fastgrpo", PROMPT + args.max_completion + 8, args.tiny)
+    model = build_policy("fastgrpo", PROMPT + args.max_completion + 8, args.tiny, args.shape)
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     lengths = random.Random(0)
@@ -58,15 +60,15 @@ def main() -> int:
             print("ROW " + json.dumps(row), flush=True)
             rows.append(row)
             window_peak = 0
-    result = {"steps": args.steps, "completions": [args.min_completion, args.max_completion], "rows": rows}
+    result = {"shape": args.shape, "steps": args.steps, "completions": [args.min_completion, args.max_completion],
+              "rows": rows}
     if cuda and len(rows) >= 2:
         first, last = rows[0], rows[-1]
         result["allocated_growth_mib"] = round(last["allocated_mib"] - first["allocated_mib"], 1)
         print(f"held between steps: {first['allocated_mib']} MiB at step {first['step']} -> "
               f"{last['allocated_mib']} MiB at step {last['step']}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "long_run.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    if not args.tiny:
+        print(f"row appended to {harness.record('long_run', [result])}")
     return 0
 
 

@@ -8,8 +8,8 @@ op keeping gate/up raises a packed step's peak by 2 GiB while it lowers a padded
 shared-prompt step peaks higher than the packed one although its sequence is shorter.
 
     python bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save --spread --prompt 1024
+Each system's row (its peaks and the largest allocation sites) is appended to bench/results/memory_peak.jsonl.
 """
-import argparse
 import bisect
 import os
 import sys
@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402
 import grpo_step  # noqa: E402  (the systems, batches and steps of the step benchmark)
 
 # Frames that say nothing about who asked for the memory.
@@ -105,8 +106,9 @@ def recorded_step(step, args, model, stacks: str) -> dict:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, depth: int) -> None:
-    model = grpo_step.build_policy(system, prompt + completion + 8, tiny=False)
+def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, depth: int,
+            shape: str = harness.DEFAULT_SHAPE) -> dict:
+    model = grpo_step.build_policy(system, prompt + completion + 8, tiny=False, shape=shape)
     device = next(model.parameters()).device
     ids, mask, adv, tokens, lengths = grpo_step.make_batch(model.config.vocab_size, prompt, completion, spread, device)
     step = grpo_step.with_mixed_precision(grpo_step.make_step(system, model, mask.shape[1], prompt), device)
@@ -114,8 +116,8 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    # torch 2.11 on the H200 (2026-11-30): recording Python stacks made the compiled layer's autograd function return
-    # NULL. Then try from the backward on, then sizes alone (which still name the [rows, width] tensors).
+    # Recording Python stacks can make the compiled layer's autograd function return NULL (torch 2.11, CUDA): then
+    # record from the backward on, then sizes alone (which still name the [rows, width] tensors).
     for stacks in ("python", "backward", "none"):
         try:
             snapshot = recorded_step(step, (ids, mask, adv), model, stacks)
@@ -127,32 +129,40 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
             torch.cuda.reset_peak_memory_stats()
     trace = snapshot["device_traces"][device.index or 0]
     peak, alive = live_at_peak(trace)
-    print(f"MEMORY {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} tokens): "
-          f"in use before the step {base / 2**30:.2f} GiB, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
-          f"(trace: +{peak / 2**30:.2f} GiB at its peak, {len(alive)} blocks alive then)")
-    print("| allocated by (innermost first) | GiB | blocks |\n|---|---|---|")
-    for site, size, n in by_site(alive, depth)[:rows]:
-        print(f"| {site} | {size / 2**30:.3f} | {n} |")
+    sites = by_site(alive, depth)[:rows]
+    row = dict(shape=shape, system=system, prompt=prompt, completion=completion, spread=spread, tokens=tokens,
+               before_gib=round(base / 2**30, 2), peak_gib=harness.peak_gib(), trace_peak_gib=round(peak / 2**30, 2),
+               blocks_alive=len(alive), sites=[dict(site=site, gib=round(size / 2**30, 3), blocks=n)
+                                               for site, size, n in sites])
+    print(f"MEMORY {shape} {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} "
+          f"tokens): in use before the step {row['before_gib']:.2f} GiB, peak {row['peak_gib']:.2f} GiB "
+          f"(trace: +{row['trace_peak_gib']:.2f} GiB at its peak, {len(alive)} blocks alive then)")
+    print(harness.markdown_table(("allocated by (innermost first)", "GiB", "blocks"),
+                                 [(site, f"{size / 2**30:.3f}", n) for site, size, n in sites]))
     print(f"Blocks of 1 MiB or more alive at the peak, in allocation order (of {len(trace)} trace events):")
     print(timeline(trace, alive))
     del model, step
     torch.cuda.empty_cache()
+    return row
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     parser.add_argument("--systems", default="fastgrpo_packed,fastgrpo_packed_save")
     parser.add_argument("--completion", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=grpo_step.PROMPT)
     parser.add_argument("--spread", action="store_true", help="completion lengths of grpo_step.py --spread")
     parser.add_argument("--rows", type=int, default=20, help="sites to print per system")
     parser.add_argument("--depth", type=int, default=3, help="Python frames per site")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("memory_peak.py needs CUDA (the allocator history is CUDA's)", file=sys.stderr)
         return 1
     for system in args.systems.split(","):
-        measure(system, args.completion, args.prompt, args.spread, args.rows, args.depth)
+        row = measure(system, args.completion, args.prompt, args.spread, args.rows, args.depth, args.shape)
+        harness.record("memory_peak", [row])
+    print(f"rows appended to {harness.results_path('memory_peak')}")
     return 0
 
 

@@ -1,10 +1,11 @@
-"""bench/grpo_step.py's reading of a profile: which device events are kernels, and why the GPU waited (the GPU
-profile itself is a benchmark; these feed it events shaped like the profiler's)."""
+"""bench/_profile.py's reading of a profile (printed by bench/grpo_step.py --profile-at): which device events are
+kernels, and why the GPU waited (the GPU profile itself is a benchmark; these feed it events shaped like the
+profiler's)."""
 from types import SimpleNamespace
 
 import torch
 
-from bench.grpo_step import gap_causes, kernel_summary
+from bench._profile import gap_causes, kernel_summary
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 MS = 1_000_000  # ns

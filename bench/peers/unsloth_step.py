@@ -1,14 +1,15 @@
-"""Unsloth's GRPO policy-loss training step on the anchor workload of DESIGN.md §4 (the peer to beat).
+"""Unsloth's GRPO policy-loss training step (the peer to beat) on bench/grpo_step.py's workload.
 
-Same workload as bench/grpo_step.py: Qwen2.5-1.5B shape with random bf16 weights, LoRA r=16 on
-q,k,v,o,gate,up,down, G=8 completions of a 256-token prompt, TRL's "grpo" loss (per-sequence mean)
-with beta=0. Unsloth's own way: FastLanguageModel + get_peft_model(use_gradient_checkpointing=
+Same workload as bench/grpo_step.py: a named shape (`--shape`, bench/_harness.py's SHAPES; default Qwen2.5-1.5B)
+with random bf16 weights, LoRA r=16 on q,k,v,o,gate,up,down, G=8 completions of a 256-token prompt, TRL's "grpo"
+loss (per-sequence mean) with beta=0. Unsloth's own way: FastLanguageModel + get_peft_model(use_gradient_checkpointing=
 "unsloth") and the GRPOTrainer Unsloth generates from TRL's (use_vllm=False). Timed:
 trainer.training_step(model, batch, None) on one fixed batch shaped like the dict that Unsloth's
 _generate_and_score_completions hands to compute_loss; the rollout is skipped (_prepare_inputs
 returns the batch as is). Median of --repeat after --warmup steps, CUDA-synchronised wall time;
 peak memory of the timed steps (reset after warm-up, like grpo_step.py). One "RESULT {json}" line
-per completion length on stdout, also appended to $OUT/unsloth_step.jsonl when OUT is set.
+per completion length on stdout; the rows are appended to bench/results/grpo_step.jsonl (system "unsloth", not
+with --tiny), where `python bench/grpo_step.py --merge` tables them beside the other systems.
 
 Unsloth reads a checkpoint directory, so a random one (weights + a WordLevel tokenizer of the full
 vocabulary) is written to a temporary directory first. Needs CUDA (Unsloth's model loader does);
@@ -21,11 +22,10 @@ tokens/s counts real tokens (G*P + sum of lengths). --prompt sets the prompt len
 the group share one prompt, as in grpo_step.py.
 
     python bench/peers/unsloth_step.py 1024 4096 16384
+    python bench/peers/unsloth_step.py 1024 4096 --shape llama-3.1-8b
     python bench/peers/unsloth_step.py 1024,4096 --spread --prompt 1024
 """
-import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -34,49 +34,35 @@ import tempfile
 import time
 import traceback
 
-for _key, _value in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                         UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_cache",
-                         HF_HOME="/tmp/hf_home").items():
-    os.environ.setdefault(_key, _value)  # no network on the device: every load must stay local
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_step import GcPauses, profile_step, spread_lengths  # noqa: E402  (bench/grpo_step.py: same spread, same profile)
+import _harness as harness  # noqa: E402
+from _profile import GcPauses, profile_step  # noqa: E402  (bench/_profile.py: the same profile as grpo_step.py's)
+from grpo_step import spread_lengths  # noqa: E402  (bench/grpo_step.py: the same spread)
 
 PROMPT, GROUP, LORA_RANK = 256, 8, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def emit(record: dict) -> None:
-    print("RESULT " + json.dumps(record), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "unsloth_step.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+# No network on the device: every load must stay local. Set before Unsloth is imported (in main).
+OFFLINE = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_cache", HF_HOME="/tmp/hf_home")
 
 
 def special_ids(vocab: int) -> dict:
-    """Qwen2.5's ids for a full vocabulary: pad <|endoftext|> 151643, eos <|im_end|> 151645."""
+    """Special tokens at Qwen2.5's places from the top of the vocabulary (pad <|endoftext|> 151643, eos
+    <|im_end|> 151645 of 151936), whatever the shape's vocabulary."""
     return {"<|endoftext|>": vocab - 293, "<|im_end|>": vocab - 291, "<unk>": vocab - 290}
 
 
-def write_checkpoint(path: str, max_len: int, tiny: bool, device: str) -> int:
-    """Random-weight Qwen2 checkpoint plus a tokenizer whose vocabulary is exactly the embedding size."""
+def write_checkpoint(path: str, max_len: int, tiny: bool, device: str, shape: str = harness.DEFAULT_SHAPE) -> int:
+    """Random-weight checkpoint of `shape` plus a tokenizer whose vocabulary is exactly the embedding size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast
 
-    shape = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2)
-    if tiny:
-        shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1)
-    specials = special_ids(shape["vocab_size"])
-    config = Qwen2Config(**shape, max_position_embeddings=max(32768, max_len), rope_theta=1e6,
-                         tie_word_embeddings=True, use_cache=False, torch_dtype="bfloat16",
-                         pad_token_id=specials["<|endoftext|>"], eos_token_id=specials["<|im_end|>"])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    config = harness.shape_config(shape, max(32768, max_len), tiny)
+    specials = special_ids(config.vocab_size)
+    config.pad_token_id, config.eos_token_id = specials["<|endoftext|>"], specials["<|im_end|>"]
+    model = harness.causal_lm(config, device, seed=0)
     model.save_pretrained(path)
     del model
     names = {i: t for t, i in specials.items()}
@@ -152,41 +138,38 @@ def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, 
                 prompt: int = PROMPT, spread: bool = False, profile: bool = False) -> dict:
     lengths = spread_lengths(completion, GROUP) if spread else [completion] * GROUP
     tokens = GROUP * prompt + sum(lengths)
-    result = {"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
+    result = {"system": "unsloth", "completion": completion, "step_ms": None, "ms_all": [], "peak_gib": None,
               "tokens_per_s": None, "error": None, **extra, "spread": spread, "tokens": tokens, "lengths": lengths}
     model = trainer.model
     on_gpu = torch.cuda.is_available()
     try:
         batch = make_batch(completion, vocab, pad_id, model.get_input_embeddings().weight.device, prompt, lengths)
-        for _ in range(warmup):
-            trainer.training_step(model, dict(batch), None)
+        losses = [None]
+
+        def step():
+            losses[0] = trainer.training_step(model, dict(batch), None)
+
+        def clear():
             model.zero_grad(set_to_none=True)
-        if on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        times = []
+
+        harness.wall_ms(step, warmup, after_each=clear)
+        harness.reset_peak()
         with GcPauses() as pauses:  # Unsloth as it runs: its collector left alone
-            for _ in range(repeat):
-                start = time.perf_counter()
-                loss = trainer.training_step(model, dict(batch), None)
-                if on_gpu:
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
-                model.zero_grad(set_to_none=True)
+            times = harness.wall_ms(step, repeat, after_each=clear)
+        loss = losses[0]
         result.update(gc_ms=round(pauses.ms, 1), gc_full=pauses.full)
         if profile:
-            profile_step(lambda: trainer.training_step(model, dict(batch), None), (), f"unsloth completion={completion}")
+            profile_step(lambda: trainer.training_step(model, dict(batch), None), (), f"{extra['shape']} unsloth completion={completion}")
             model.zero_grad(set_to_none=True)
         median = statistics.median(times)
         unwrapped = trainer.accelerator.unwrap_model(model)
-        result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
+        result.update(step_ms=round(median, 1), ms_all=[round(t, 1) for t in times],
                       tokens_per_s=round(tokens / median * 1e3), loss=float(loss),
                       # Unsloth silently falls back to a padded [G, P+C] forward when its packed one fails its check
                       seq_packing=bool(getattr(unwrapped, "_unsloth_seq_packing_grad_ok", False)
                                        and getattr(unwrapped, "_unsloth_seq_packing_grad_verified_T", 0)
                                        >= tokens))
-        if on_gpu:
-            result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        result["peak_gib"] = harness.peak_gib()
     except torch.OutOfMemoryError:
         result["error"] = "OOM"
     except Exception as err:  # one failing length must not hide the others' numbers
@@ -200,24 +183,35 @@ def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, 
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("completions", nargs="*", default=["1024", "4096", "16384"],
                         help="completion lengths (spaces or commas)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt length")
+    parser.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES),
+                        help="the model shape (default %(default)s)")
     parser.add_argument("--spread", action="store_true",
                         help="completion lengths of bench/grpo_step.py --spread (uniform in [10 %%, 100 %%], same seed)")
     parser.add_argument("--profile-at", default="", help="profile one step at these completion lengths (comma list)")
     parser.add_argument("--tiny", action="store_true",
-                        help="2-layer model, vocab 512: a quick check of the plumbing (still needs CUDA)")
-    args = parser.parse_args()
+                        help="two small layers of the shape: a quick check of the plumbing (still needs CUDA; rows "
+                             "not recorded)")
+    args = parser.parse_args(argv)
     completions = [int(c) for arg in args.completions for c in arg.split(",") if c]
+    for key, value in OFFLINE.items():
+        os.environ.setdefault(key, value)
     on_gpu = torch.cuda.is_available()
     max_len = args.prompt + max(completions)
     workdir = tempfile.mkdtemp(prefix="unsloth_step_", dir="/tmp")
-    extra = {"prompt": args.prompt, "group": GROUP}
+    extra = {"shape": args.shape, "prompt": args.prompt, "group": GROUP}
+
+    def emit(row):
+        harness.emit(row)
+        if not args.tiny:
+            harness.record("grpo_step", [row])
+
     try:
         started = time.perf_counter()
         import unsloth  # noqa: F401  (first, so that it patches transformers/trl/peft before they load)
@@ -225,7 +219,7 @@ def main() -> int:
 
         extra["versions"] = (f"unsloth {unsloth.__version__}, unsloth_zoo {unsloth_zoo.__version__}, "
                              f"torch {torch.__version__}")
-        vocab = write_checkpoint(workdir, max_len, args.tiny, "cuda" if on_gpu else "cpu")
+        vocab = write_checkpoint(workdir, max_len, args.tiny, "cuda" if on_gpu else "cpu", args.shape)
         gc.collect()  # the checkpoint's model must not stay resident and count in every peak below
         if on_gpu:
             torch.cuda.empty_cache()
@@ -237,8 +231,9 @@ def main() -> int:
     except Exception as err:
         traceback.print_exc()
         for completion in completions:
-            emit({"system": "unsloth", "completion": completion, "ms_median": None, "ms_all": [], "peak_gib": None,
-                  "tokens_per_s": None, "error": f"setup failed: {type(err).__name__}: {str(err)[:300]}", **extra})
+            emit({"system": "unsloth", "completion": completion, "step_ms": None, "ms_all": [], "peak_gib": None,
+                  "tokens_per_s": None, "spread": args.spread,
+                  "error": f"setup failed: {type(err).__name__}: {str(err)[:300]}", **extra})
         shutil.rmtree(workdir, ignore_errors=True)
         return 1
     for completion in completions:

@@ -1,0 +1,215 @@
+"""bench/_harness.py: the rows every benchmark appends, the named model shapes, the CPU timers and the sweep; and the
+step benchmark's table, which names each row's shape and reads the peers' rows from the same file."""
+import json
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench import _harness as harness
+from bench import grpo_step
+
+# The released checkpoints' config.json values and parameter counts, as their model cards give them.
+PUBLISHED = {
+    # name: (model_type, layers, query heads, key-value heads, head dim, hidden, parameters)
+    "qwen2.5-0.5b": ("qwen2", 24, 14, 2, 64, 896, 494_032_768),
+    "qwen2.5-1.5b": ("qwen2", 28, 12, 2, 128, 1536, 1_543_714_304),
+    "qwen2.5-7b": ("qwen2", 28, 28, 4, 128, 3584, 7_615_616_512),
+    "llama-3.1-8b": ("llama", 32, 32, 8, 128, 4096, 8_030_261_248),
+    "gemma-2-2b": ("gemma2", 26, 8, 4, 256, 2304, 2_614_341_888),
+}
+
+
+def test_every_required_shape_is_named():
+    assert set(PUBLISHED) <= set(harness.SHAPES)
+    assert harness.DEFAULT_SHAPE == "qwen2.5-1.5b"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_shape_builds_the_released_model(name):
+    model_type, layers, heads, kv_heads, head_dim, hidden, parameters = PUBLISHED[name]
+    config = harness.shape_config(name, max_len=4352)
+    assert config.model_type == model_type
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (layers, heads, kv_heads)
+    assert (config.hidden_size, getattr(config, "head_dim", None) or hidden // heads) == (hidden, head_dim)
+    assert harness.attention_shape(name) == (heads, kv_heads, head_dim)
+    assert config.max_position_embeddings >= 4352 and config.use_cache is False
+    model = harness.causal_lm(config, "meta")  # no memory: only the parameter count is read
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_gemma_2_keeps_its_softcaps_and_sliding_window():
+    config = harness.shape_config("gemma-2-2b")
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.sliding_window == 4096 and "sliding_attention" in config.layer_types
+    # transformers' SDPA path drops the attention softcap: the shape runs the attention that applies it.
+    assert config._attn_implementation == "eager"
+    assert grpo_step.softcap(config) == 30.0 and grpo_step.softcap(harness.shape_config("qwen2.5-1.5b")) == 0.0
+    tiny = harness.shape_config("gemma-2-2b", tiny=True)
+    assert tiny.sliding_window < 4096 and tiny.head_dim == harness.TINY_WHERE_SET["head_dim"]
+
+
+@pytest.mark.parametrize("name", sorted(harness.SHAPES))
+def test_each_tiny_shape_runs_a_forward(name):
+    config = harness.shape_config(name, max_len=64, tiny=True)
+    assert config.num_hidden_layers == 2 and config.vocab_size == 512
+    model = harness.causal_lm(config, "cpu", dtype=torch.float32, seed=0)
+    logits = model(input_ids=torch.randint(0, 512, (2, 24))).logits
+    assert logits.shape == (2, 24, 512) and torch.isfinite(logits).all()
+
+
+def test_an_unknown_shape_names_the_known_ones():
+    with pytest.raises(ValueError, match="qwen2.5-1.5b"):
+        harness.shape_config("qwen-9000")
+
+
+def test_record_appends_stamped_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTGRPO_BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setenv("FASTGRPO_BENCH_COMMIT", "abc1234+dirty")
+    argv = [str(harness.REPO / "bench" / "grpo_step.py"), "--shape", "gemma-2-2b", "--prompt", "a b"]
+    path = harness.record("grpo_step", [{"system": "fastgrpo", "step_ms": 1.5}], argv)
+    harness.record("grpo_step", [{"system": "unsloth", "step_ms": 2.5}, {"system": "eager", "step_ms": None}], argv)
+    assert path == tmp_path / "grpo_step.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["system"] for r in rows] == ["fastgrpo", "unsloth", "eager"]
+    for row in rows:
+        assert list(row)[:4] == ["date", "commit", "hardware", "command"]
+        assert row["date"] == time.strftime("%Y-%m-%d") and row["commit"] == "abc1234+dirty"
+        assert row["hardware"] == harness.hardware() and row["hardware"]
+        assert row["command"] == "python bench/grpo_step.py --shape gemma-2-2b --prompt 'a b'"
+    assert harness.read_rows(path) == rows
+
+
+def test_read_rows_takes_printed_result_lines(tmp_path):
+    printed = tmp_path / "out.txt"
+    printed.write_text('RESULT {"a": 1}\n\n{"a": 2}\n')
+    assert harness.read_rows(printed) == [{"a": 1}, {"a": 2}]
+
+
+def test_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("1")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    monkeypatch.setattr(harness, "REPO", tmp_path)
+    monkeypatch.delenv("FASTGRPO_BENCH_COMMIT", raising=False)
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.txt").write_text("not part of the tree")
+    assert harness.commit() == head
+    (tmp_path / "a.txt").write_text("2")
+    assert harness.commit() == head + "+dirty"
+    monkeypatch.setattr(harness, "REPO", tmp_path / "nowhere")
+    assert harness.commit() == "unknown"
+
+
+def test_markdown_table():
+    assert harness.markdown_table(("a", "b"), [(1, "x"), (2, "y")]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2 | y |"
+
+
+def test_cpu_timers():
+    host = []
+    times = harness.wall_ms(lambda: time.sleep(0.002), 3, host_ms=host)
+    assert len(times) == len(host) == 3 and all(t >= 2 for t in times)
+    low, high = harness.kernel_ms(lambda: time.sleep(0.001), warmup=1, rep=10, quantiles=[0.2, 0.8])
+    assert 1 <= low <= high
+    assert harness.graph_ms(lambda: time.sleep(0.001), rep=5) >= 1
+
+
+def test_a_launch_configuration_sweep_times_each_and_puts_the_setting_back():
+    module = SimpleNamespace(delay=0.006)
+    seen = []
+    now, timings = harness.time_launch_configs(lambda: time.sleep(module.delay), [0.012, 0.0, 0.024],
+                                               lambda c: [(module, "delay", c)], rep=40,
+                                               report=lambda c, ms: seen.append(c))
+    assert module.delay == 0.006 and seen == [0.012, 0.0, 0.024]
+    assert [c for _, c in timings] == [0.0, 0.012, 0.024]
+    assert timings[0][0] < now < timings[1][0]
+
+
+def _row(system, step_ms, peak, shape="qwen2.5-0.5b", completion=1024, error=None):
+    return dict(shape=shape, system=system, prompt=256, completion=completion, spread=False, step_ms=step_ms,
+                peak_gib=peak, tokens_per_s=None if step_ms is None else round(10240 / step_ms * 1e3), error=error)
+
+
+def test_the_step_table_names_each_shape_and_compares_the_systems():
+    rows = [_row("fastgrpo", 200.0, 3.0), _row("unsloth", 300.0, 4.0), _row("inductor", 100.0, 12.0),
+            _row("fastgrpo", 700.0, 4.5, shape="gemma-2-2b", completion=4096),
+            _row("unsloth", None, None, shape="gemma-2-2b", completion=4096, error="OOM")]
+    lines = grpo_step.table(rows).splitlines()
+    assert lines[0].startswith("| shape / prompt / completion | inductor | unsloth | fastgrpo |")
+    gemma, qwen = lines[2:]  # sorted by shape
+    assert gemma.startswith("| gemma-2-2b / 256 / 4096 | - | OOM | 700 ms, 4.5 GiB")
+    assert qwen.startswith("| qwen2.5-0.5b / 256 / 1024 | 100 ms, 12.0 GiB, 102400 tok/s | 300 ms")
+    assert "| 1.50x | 0.75x | 0.50x |" in qwen  # tokens/s and memory against Unsloth, tokens/s against inductor
+
+
+def test_merge_prints_the_table_of_the_results_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGRPO_BENCH_RESULTS", str(tmp_path))
+    harness.record("grpo_step", [_row("fastgrpo", 200.0, 3.0), _row("unsloth", 300.0, 4.0)])
+    harness.record("grpo_step", [_row("fastgrpo", 250.0, 3.0)])  # a later row of the same case replaces the first
+    assert grpo_step.main(["--merge"]) == 0
+    assert ("| qwen2.5-0.5b / 256 / 1024 | 300 ms, 4.0 GiB, 34133 tok/s | 250 ms, 3.0 GiB, 40960 tok/s | 1.20x |"
+            in capsys.readouterr().out)
+
+
+def test_the_step_refuses_unknown_systems_and_shapes():
+    with pytest.raises(SystemExit):
+        grpo_step.main(["--systems", "fastgrpo_flash", "--tiny"])
+    with pytest.raises(SystemExit):
+        grpo_step.main(["--shape", "llama-8b", "--tiny"])
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gemma-2-2b"])
+def test_the_unsloth_peer_writes_the_shapes_checkpoint(tmp_path, name):
+    """Unsloth itself needs CUDA; the checkpoint it loads and the batch it is given are built here."""
+    import transformers
+
+    from bench.peers import unsloth_step
+
+    vocab = unsloth_step.write_checkpoint(str(tmp_path), 96, tiny=True, device="cpu", shape=name)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert config.model_type == PUBLISHED[name][0] and config.num_hidden_layers == 2 and vocab == config.vocab_size
+    assert len(tokenizer) == vocab and (tokenizer.pad_token_id, tokenizer.eos_token_id) == (
+        config.pad_token_id, config.eos_token_id)
+    batch = unsloth_step.make_batch(8, vocab, tokenizer.pad_token_id, "cpu", prompt=4, lengths=[8, 3] * 4)
+    assert batch["completion_ids"].shape == (unsloth_step.GROUP, 8)
+    assert (batch["completion_ids"][1, 3:] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.gpu
+def test_cuda_timers_and_peak_memory():
+    block, peak = harness.peak_above(lambda: torch.empty(2**28, device="cuda", dtype=torch.uint8))
+    assert peak >= block.numel()
+    x = torch.randn(4096, 4096, device="cuda")
+    low, mid, high = harness.kernel_ms(lambda: x @ x, quantiles=[0.2, 0.5, 0.8])
+    assert 0 < low <= mid <= high
+    module = SimpleNamespace(n=2048)
+    now, timings = harness.time_launch_configs(lambda: x[:module.n] @ x, [4096, 256], lambda n: [(module, "n", n)])
+    assert module.n == 2048 and [n for _, n in timings] == [256, 4096] and timings[0][0] < now < timings[1][0]
+    tflops, tbps = harness.device_rates()
+    assert tflops > 50 and tbps > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["gemma-2-2b", "llama-3.1-8b"])
+def test_the_step_runs_each_system_on_cuda(shape, capsys):
+    """The --tiny step of every fastgrpo form and the baselines on CUDA (offloaded checkpointing, packed rows)."""
+    systems = "eager,inductor,fastgrpo,fastgrpo_save,fastgrpo_actmul,fastgrpo_packed,fastgrpo_shared"
+    assert grpo_step.main(["--tiny", "--shape", shape, "--systems", systems, "--completions", "64",
+                           "--prompt", "32", "--warmup", "1", "--repeat", "1"]) == 0
+    rows = [json.loads(line.removeprefix("RESULT ")) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("RESULT ")]
+    assert {r["system"] for r in rows} == set(systems.split(","))
+    for row in rows:
+        assert row["shape"] == shape
+        if row["error"] is None:
+            assert row["peak_gib"] > 0 and row["step_ms"] > 0, row
+        else:  # Gemma-2's soft-capped attention has no variable-length kernel: its packed rows may say so
+            assert shape == "gemma-2-2b" and row["system"] in grpo_step.PACKED, row
