@@ -57,10 +57,10 @@ step() {  # name, cap seconds, environment, command...
 run_step() {
   case $1 in
     tests) step tests 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
-    # STEP_SYSTEMS: padded fastgrpo variants timed in this step (e.g. fastgrpo,fastgrpo_flash), STEP_CAP its seconds.
-    fastgrpo) step fastgrpo ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --completions $COMPLETIONS $STEP_ARGS ;;
-    unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} $STEP_ARGS ;;
-    inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --completions 1024,4096 $STEP_ARGS ;;
+    # STEP_SYSTEMS: padded fastgrpo variants timed in this step (e.g. fastgrpo,fastgrpo_save), STEP_CAP its seconds.
+    fastgrpo) step fastgrpo ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --shape ${SHAPE:-qwen2.5-1.5b} --completions $COMPLETIONS $STEP_ARGS ;;
+    unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} --shape ${SHAPE:-qwen2.5-1.5b} $STEP_ARGS ;;
+    inductor) step inductor 120 "$OURS" python3 bench/grpo_step.py --systems inductor --shape ${SHAPE:-qwen2.5-1.5b} --completions 1024,4096 $STEP_ARGS ;;
     liger) for c in ${LIGER_COMPLETIONS:-1024 4096 16384}; do step "liger_$c" 80 "$PEERS" python3 bench/grpo_step.py --systems liger --completions $c $STEP_ARGS; done ;;
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
@@ -86,11 +86,11 @@ run_step() {
     long_run) step long_run ${LONG_RUN_CAP:-200} "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
     # 2 GPUs (nvidia-h200-x2): DDP throughput of 2 GPUs against one process alone on one GPU, and the 2-GPU tests
     # of tests/test_distributed.py (DDP and FSDP2 through accelerate == 1 GPU; FSDP2 + inductor).
-    # SCALING_BASELINE: a grpo_scaling.json of an earlier 1-GPU launch (same code path) instead of timing it again.
+    # SCALING_BASELINE: the JSON lines of an earlier 1-GPU launch (same code path) instead of timing it again.
     scaling)
-      [ -n "${SCALING_BASELINE:-}" ] && cp "$SCALING_BASELINE" "$OUT/grpo_scaling.json" ||
+      [ -n "${SCALING_BASELINE:-}" ] ||
         step scaling_1gpu 150 "$OURS OUT=$OUT" torchrun --nproc_per_node 1 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8
-      step scaling_2gpu 170 "$OURS OUT=$OUT" torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8 --baseline-json "$OUT/grpo_scaling.json" ;;
+      step scaling_2gpu 170 "$OURS OUT=$OUT" torchrun --nproc_per_node 2 bench/grpo_scaling.py --completions 1024,4096 --warmup 3 --repeat 8 ${SCALING_BASELINE:+--baseline "$SCALING_BASELINE"} ;;
     tests_distributed) step tests_distributed 300 "$OURS FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 290 -rfE --tb=short tests/test_distributed.py ;;
     actmul) step actmul 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_actmul --completions $COMPLETIONS $STEP_ARGS ;;
     # Where the step's time goes (kernel categories, GPU busy vs span, the host's cProfile), fastgrpo and Unsloth.
@@ -139,7 +139,7 @@ run_step() {
         && cp -r .baseline/. /tmp/baseline_tree/
       for round in 1 2; do
         step "now_$round" ${STEP_CAP:-120} "$OURS" python3 bench/grpo_step.py ${BASELINE_ARGS:---systems fastgrpo} --completions $COMPLETIONS $STEP_ARGS
-        step "baseline_$round" ${STEP_CAP:-120} "PYTHONPATH=/tmp/baseline_tree:/tmp/site_t:/tmp/site OUT=$OUT/baseline" bash -c "cd /tmp/baseline_tree && \
+        step "baseline_$round" ${STEP_CAP:-120} "PYTHONPATH=/tmp/baseline_tree:/tmp/site_t:/tmp/site FASTGRPO_BENCH_RESULTS=$OUT/baseline" bash -c "cd /tmp/baseline_tree && \
           exec python3 bench/grpo_step.py ${BASELINE_ARGS:---systems fastgrpo} --completions $COMPLETIONS $STEP_ARGS"
       done ;;
     *) echo "unknown step $1" ;;
@@ -159,4 +159,4 @@ for s in $STEPS; do
 done
 # The JSON lines every bench appended to bench/results/ in this tree come back with $OUT.
 mkdir -p "$OUT/results" && cp bench/results/*.jsonl "$OUT/results/" 2>/dev/null
-[ -f "$OUT/grpo_step.jsonl" ] && python3 bench/grpo_step.py --merge "$OUT"/grpo_step.jsonl $(ls "$OUT"/unsloth_step.jsonl 2>/dev/null)
+[ -f bench/results/grpo_step.jsonl ] && python3 bench/grpo_step.py --merge
