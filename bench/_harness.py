@@ -56,6 +56,12 @@ SHAPES = {
     # Soft-capped attention logits and final logits, sliding-window attention on every other layer. transformers'
     # SDPA path leaves the attention softcap out, so every system runs the eager attention that applies it (what
     # transformers asks of Gemma-2 training).
+    "gemma-3-1b": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=1e6, query_pre_attn_scalar=256, sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+    ),
     "gemma-2-2b": dict(
         model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
         num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -87,6 +93,8 @@ def shape_config(name: str, max_len: int | None = None, tiny: bool = False):
     if tiny:
         values.update(TINY)
         values.update({key: value for key, value in TINY_WHERE_SET.items() if key in values})
+        if "layer_types" in values:  # one layer of each kind
+            values["layer_types"] = (list(dict.fromkeys(values["layer_types"])) * 2)[: TINY["num_hidden_layers"]]
     if max_len is not None:
         values["max_position_embeddings"] = max(max_len, values.get("max_position_embeddings", 0))
     return AutoConfig.for_model(model_type, **values, use_cache=False, dtype="bfloat16")

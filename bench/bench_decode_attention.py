@@ -5,9 +5,7 @@ the grouped heads expanded) and against the bytes floor (each row's written KV r
 """
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -15,35 +13,21 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.grpo_train_step import commit, hardware  # noqa: E402
+from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels.decode_attention import decode_attention  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "bench_decode_attention.jsonl"
-BANDWIDTH = 4.3e12
-HEADS = {"qwen2.5-1.5b": (12, 2, 128, None), "gemma3-1b": (4, 1, 256, 512)}
+BANDWIDTH = harness.COPY_TBPS * 1e12
+SHAPES = {"qwen2.5-1.5b": None, "gemma-3-1b": 512}  # shape -> its sliding layers' window
 
 
-def graph_ms(fn, repeats=50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+graph_ms = harness.graph_ms
 
 
 def main():
     rows_out = []
     dev = "cuda"
-    for shape, (hq, hkv, d, window) in HEADS.items():
+    for shape, window in SHAPES.items():
+        hq, hkv, d = harness.attention_shape(shape)
         for b in (8, 32, 128, 256):
             for slots in (512, 1024, 2048):
                 q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
@@ -67,18 +51,13 @@ def main():
                 row = dict(shape=shape, rows=b, slots=slots, written=int(length), window=window, ms=ours,
                            sdpa_full_cache_ms=full, floor_ms=floor, floor_share=floor / ours)
                 rows_out.append(row)
-                print("RESULT " + json.dumps(row), flush=True)
+                harness.emit(row)
     print("\n| shape | rows | slots | fastgrpo ms | SDPA full cache ms | floor ms | share of floor |")
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['shape']} | {r['rows']} | {r['slots']} | {r['ms']:.4f} | {r['sdpa_full_cache_ms']:.4f} | "
               f"{r['floor_ms']:.4f} | {100 * r['floor_share']:.0f} % |")
-    stamp = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), hardware=hardware(),
-                 command="python bench/bench_decode_attention.py")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as out:
-        for r in rows_out:
-            out.write(json.dumps(dict(stamp, **r)) + "\n")
+    harness.record("bench_decode_attention", rows_out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limi
 
     python bench/bench_generation.py                            # GPU, the four cases
     python bench/bench_generation.py --cases 128x512 --hf       # also time model.generate on the first case
-    python bench/bench_generation.py --shape gemma3-1b          # sliding-window layers
+    python bench/bench_generation.py --shape gemma-3-1b         # sliding-window layers
     python bench/bench_generation.py --tiny                     # CPU smoke run
 Rows are appended to bench/results/bench_generation.jsonl (GPU runs).
 """
@@ -29,19 +29,19 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.grpo_train_step import SHAPES, build_model, commit, hardware  # noqa: E402
+from bench import _harness as harness  # noqa: E402
+from bench.grpo_train_step import build_model  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "bench_generation.jsonl"
-BANDWIDTH = 4.3e12  # bytes/s, device copy measured on the H200
-MATMUL = 790e12  # FLOP/s, bf16 matmul measured on the H200
+BANDWIDTH = harness.COPY_TBPS * 1e12
+MATMUL = harness.MATMUL_TFLOPS * 1e12
 SPREAD_EOS_BIAS = 5.0  # added to the EOS logit in the spread case (lengths ~ geometric, mean ~ half of 1024)
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     p.add_argument("--cases", default="64x256,128x512,256x1024,spread", help="ROWSxNEW_TOKENS,... and/or spread")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--lora", type=int, default=16, help="LoRA rank (0: no adapter)")
@@ -55,7 +55,7 @@ def parse_args(argv=None):
                    help='its options as JSON, e.g. \'{"patterns": ["joined_projections"]}\' for fastgrpo')
     args = p.parse_args(argv)
     if args.tiny:
-        args.shape, args.cases, args.prompt_len, args.repeats = "tiny", "4x8,spread", 8, 1
+        args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
     return args
 
 
@@ -107,7 +107,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = build_model(args.shape, dtype, device).eval()
+    model = build_model(args.shape, dtype, device, tiny=args.tiny).eval()
     vocab = model.config.get_text_config().vocab_size
     if args.lora:
         import peft
@@ -162,7 +162,7 @@ def main(argv=None):
                    share_of_limit=limit / seconds, fallback=generator.fallback,
                    batches=sorted(generator.engine._buffers.batches) if generator.engine else None)
         rows_out.append(row)
-        print("RESULT " + json.dumps(row), flush=True)
+        harness.emit(row)
         generator.engine and generator.engine.release()
         if args.hf and not hf_done:
             hf_done = True
@@ -177,7 +177,7 @@ def main(argv=None):
             row = dict(row, path="model.generate", seconds=hf, first_call_s=None, tokens_per_s=rows * new / hf,
                        share_of_limit=limit / hf, fallback=None, batches=None)
             rows_out.append(row)
-            print("RESULT " + json.dumps(row), flush=True)
+            harness.emit(row)
     print(f"\n{args.shape}, {dtype}, {device}, LoRA r={args.lora}, prompt {args.prompt_len}\n")
     print("| path | rows x new | mean length | first call s | s | tokens/s | limit tokens/s | share |")
     print("|---|---|---|---|---|---|---|---|")
@@ -187,12 +187,7 @@ def main(argv=None):
         print(f"| {r['path']} | {name} | {r['mean_length']:.0f} | {first} | {r['seconds']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['limit_tokens_per_s']:.0f} | {100 * r['share_of_limit']:.0f} % |")
     if device == "cuda":
-        stamp = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), hardware=hardware(),
-                     command=" ".join(["python", "bench/bench_generation.py", *(argv or sys.argv[1:])]))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a") as out:
-            for r in rows_out:
-                out.write(json.dumps(dict(stamp, **r)) + "\n")
+        harness.record("bench_generation", rows_out, argv)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ run_step() {
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
     decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
     # The whole GRPO step (trainer.train(): generation, scoring, update) of fastgrpo's trainer and stock TRL's, one
-    # process each, for each of TRAIN_SHAPES (bench/grpo_train_step.py's names) and TRAIN_SYSTEMS.
+    # process each, for each of TRAIN_SHAPES (bench/_harness.py names) and TRAIN_SYSTEMS.
     train_step)
       for shape in ${TRAIN_SHAPES:-qwen2.5-1.5b}; do for system in ${TRAIN_SYSTEMS:-fastgrpo trl}; do
         step "train_${shape}_${system}" ${TRAIN_CAP:-240} "$OURS" python3 bench/grpo_train_step.py --system $system --shape $shape

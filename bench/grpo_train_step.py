@@ -1,7 +1,7 @@
 """The whole GRPO step a user waits for: real `trainer.train()` steps of fastgrpo's GRPOTrainer against stock TRL's.
 
 One system per process (`--system`), the same model, data and config for each: a random-init model of a named shape
-in bf16 (`--shape`: Qwen2.5-1.5B, or Gemma-3-1B with its sliding-window layers), PEFT LoRA r=16 on every projection,
+in bf16 (`--shape`, bench/_harness.py's names: Qwen2.5-1.5B by default, Gemma-3-1B with its sliding-window layers), PEFT LoRA r=16 on every projection,
 8 prompts x G=8 completions, 256-token prompts, completions up to 512 tokens (`--completion`; a random-init model
 never samples EOS, so every row runs to the limit), a reward that costs nothing, gradient checkpointing, bf16. Each
 step: generation, scoring (rewards, advantages, the no-grad log-prob passes TRL runs), and the update (loss forward
@@ -11,16 +11,14 @@ The first `--warmup` steps (compiles) are reported apart; the table gives the me
 
     python bench/grpo_train_step.py --system fastgrpo            # then --system trl; rows appended to
     python bench/grpo_train_step.py --system trl                 #   bench/results/grpo_train_step.jsonl
+    python bench/grpo_train_step.py --system fastgrpo --shape gemma-3-1b   # sliding-window layers
     python bench/grpo_train_step.py --table                      # the rows of this tree's commit, as a table
     python bench/grpo_train_step.py --system fastgrpo --tiny     # CPU smoke run: a 2-layer model, short rows
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,32 +27,15 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results" / "grpo_train_step.jsonl"
+from bench import _harness as harness  # noqa: E402
 
-SHAPES = {
-    # Public config.json values of the released models (random init here).
-    "qwen2.5-1.5b": dict(
-        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6,
-    ),
-    "gemma3-1b": dict(
-        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512, rope_theta=1e6,
-        query_pre_attn_scalar=256, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
-    ),
-    "tiny": dict(
-        model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-    ),
-}
 SPECIAL = ["<pad>", "<eos>"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", choices=["fastgrpo", "trl"], help="the trainer to time (one per process)")
-    p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -66,26 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
     args = p.parse_args(argv)
     if args.tiny:
-        args.shape, args.prompts, args.generations, args.prompt_len, args.completion = "tiny", 2, 4, 8, 8
+        args.prompts, args.generations, args.prompt_len, args.completion = 2, 4, 8, 8
     return args
-
-
-def commit() -> str:
-    """The tree's commit (FASTGRPO_BENCH_COMMIT where the tree travelled without its history)."""
-    if os.environ.get("FASTGRPO_BENCH_COMMIT"):
-        return os.environ["FASTGRPO_BENCH_COMMIT"]
-
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return "cpu"
 
 
 def word_tokenizer(vocab: int):
@@ -100,16 +63,11 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>")
 
 
-def build_model(shape: str, dtype: torch.dtype, device: str):
-    import transformers
-
-    values = dict(SHAPES[shape])
-    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values, pad_token_id=0, eos_token_id=1,
-                                               bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+def build_model(shape: str, dtype: torch.dtype, device: str, tiny: bool = False):
+    """A random-init model of a named shape (bench/_harness.py), pad 0 and EOS 1 as the word tokenizer has them."""
+    config = harness.shape_config(shape, tiny=tiny)
+    config.use_cache, config.pad_token_id, config.eos_token_id, config.bos_token_id = True, 0, 1, None
+    return harness.causal_lm(config, device, dtype, seed=0)
 
 
 class StepClock:
@@ -171,7 +129,7 @@ def run(args) -> dict:
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = build_model(args.shape, dtype, device)
+    model = build_model(args.shape, dtype, device, tiny=args.tiny)
     vocab = model.config.get_text_config().vocab_size
     tokenizer = word_tokenizer(vocab)
     g = torch.Generator().manual_seed(1)
@@ -236,21 +194,16 @@ def table(rows: list[dict]) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.table:
-        here = commit()
-        rows = [json.loads(line) for line in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
-        print(table([r for r in rows if r["commit"] == here and r["hardware"] == hardware()]))
+        here, rows = harness.commit(), harness.read_rows(harness.results_path("grpo_train_step"))
+        print(table([r for r in rows if r["commit"] == here and r["hardware"] == harness.hardware()]))
         return
     if args.system is None:
         raise SystemExit("give --system fastgrpo or --system trl (one per process), or --table")
     row = run(args)
-    row = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), hardware=hardware(),
-               command=" ".join(["python", "bench/grpo_train_step.py", *(argv or sys.argv[1:])]), **row)
-    print("RESULT " + json.dumps(row))
+    harness.emit(row)
     print(table([row]))
     if not args.tiny:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a") as out:
-            out.write(json.dumps(row) + "\n")
+        harness.record("grpo_train_step", [row], argv)
 
 
 if __name__ == "__main__":
