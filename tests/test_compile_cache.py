@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,13 +162,15 @@ def test_setting_resolution(monkeypatch, tmp_path):
 
 
 def test_only_the_most_recent_environments_are_kept(tmp_path):
-    for age in range(compile_cache.KEEP_ENVIRONMENTS + 2):
-        old = tmp_path / f"env-{age}"
+    """Beyond the most recently used, environments unused for a day are removed; newer ones are left (another
+    fastgrpo tree's run may be using them), and so is what is not an environment directory."""
+    now = time.time()
+    ages = [3600 * hours for hours in (1, 2, 30, 3, 40)]  # two beyond the kept ones are older than a day
+    for i, age in enumerate(ages):
+        old = tmp_path / f"env-{i}"
         old.mkdir()
         (old / compile_cache.ENVIRONMENT).write_text("{}")
-        os.utime(old / compile_cache.ENVIRONMENT, (1000 - age, 1000 - age))
+        os.utime(old / compile_cache.ENVIRONMENT, (now - age, now - age))
     (tmp_path / "not-ours").mkdir()
-    current = tmp_path / "current"
-    compile_cache._prune(tmp_path, keep=current)
-    kept = sorted(p.name for p in tmp_path.iterdir())
-    assert kept == sorted([f"env-{age}" for age in range(compile_cache.KEEP_ENVIRONMENTS - 1)] + ["not-ours"])
+    compile_cache._prune(tmp_path, keep=tmp_path / "current")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env-0", "env-1", "env-3", "not-ours"]

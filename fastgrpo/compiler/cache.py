@@ -9,7 +9,7 @@ inductor's and fastgrpo's own). The root is the setting (a directory), else `$FA
 
 Keys. The environment directory is named by a hash of Python, torch, triton, transformers and the bytes of
 fastgrpo's own source files, so a change of any of them starts from an empty directory (the
-`KEEP_ENVIRONMENTS` most recently used are kept). Inside it torch keys each entry by the graph it compiles
+`KEEP_ENVIRONMENTS` most recently used are kept, others once unused for a day). Inside it torch keys each entry by the graph it compiles
 (the model, its shapes and the backend's options are in the rewritten graph: the fastgrpo ops and their
 arguments), input sizes, dtypes and strides, and its own config. The backend also adds fastgrpo's source
 hash to every key it makes (`cache_key_tag`), for the caches this module does not place (torch's default
@@ -38,6 +38,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,10 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "FASTGRPO_COMPILE_CACHE"
 OFF_VALUES = ("off", "none", "0", "false", "no")
-# Environment directories kept under the root (most recently used first); older ones are removed.
+# Environment directories kept under the root (most recently used first); older ones are removed once unused for
+# PRUNE_AFTER_S (a run of another fastgrpo tree may still be writing to one).
 KEEP_ENVIRONMENTS = 3
+PRUNE_AFTER_S = 24 * 3600
 MANIFEST = "fastgrpo-manifest.json"
 ENVIRONMENT = "fastgrpo-environment.json"
 
@@ -225,12 +228,19 @@ def active_cache() -> CompileCache | None:
     return _active
 
 
+def _last_used(directory: Path) -> float:
+    """When a process last enabled the environment directory or recorded a compile in it."""
+    times = [path.stat().st_mtime for path in (directory / ENVIRONMENT, directory / MANIFEST) if path.is_file()]
+    return max(times, default=0.0)
+
+
 def _prune(root: Path, keep: Path) -> None:
-    """Remove the environment directories under `root` beyond the KEEP_ENVIRONMENTS most recently used."""
-    ours = [p for p in root.iterdir() if (p / ENVIRONMENT).is_file() and p != keep]
-    ours.sort(key=lambda p: (p / ENVIRONMENT).stat().st_mtime, reverse=True)
+    """Remove the environment directories under `root` beyond the KEEP_ENVIRONMENTS most recently used, once unused
+    for PRUNE_AFTER_S."""
+    ours = sorted((p for p in root.iterdir() if (p / ENVIRONMENT).is_file() and p != keep), key=_last_used, reverse=True)
     for stale in ours[KEEP_ENVIRONMENTS - 1 :]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if time.time() - _last_used(stale) > PRUNE_AFTER_S:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def enable_compile_cache(setting: str | os.PathLike | bool | None = None) -> CompileCache | None:
