@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from grpo_step import GROUP, LORA_RANK, PROMPT, grpo_loss, qwen25_15b_config  # noqa: E402
 
 import fastgrpo  # noqa: E402
+from fastgrpo.compiler import compile_stats  # noqa: E402
+from fastgrpo.compiler.cache import enable_compile_cache  # noqa: E402
 from fastgrpo.compiler.offload import offload_handle  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
 from fastgrpo.kernels.selective_logprob import selective_logprob  # noqa: E402
@@ -174,6 +176,7 @@ def run(args) -> dict:
     inner = args.inner or ("inductor" if device.type == "cuda" else "eager")
     completion, prompt_len = (24, 16) if args.tiny else (COMPLETION, PROMPT)
     generation_compile = {"auto": None, "on": True, "off": False}[args.generation_compile]
+    cache = enable_compile_cache(args.compile_cache)  # a second run loads what the first compiled
     start = time.perf_counter()
     model = build_policy(args.tiny, args.offload, inner, device)
     step = Step(model, completion, prompt_len, generation_compile)
@@ -182,6 +185,7 @@ def run(args) -> dict:
     model_bytes = torch.cuda.memory_allocated() if device.type == "cuda" else None
     fastgrpo.clear_fusion_reports()
     torch._dynamo.utils.counters.clear()
+    compiling = compile_stats.snapshot()
     steps = []
     for index in range(args.steps):
         peak_and_reset(device)
@@ -200,6 +204,9 @@ def run(args) -> dict:
                       "step_s": round(t2 - t0, 3), "loss": loss,
                       "generation_peak_bytes": generation_peak, "update_peak_bytes": update_peak})
         print("STEP " + json.dumps(steps[-1]), flush=True)
+        if index == 0:  # what the first step spent compiling, and the compile cache's hits
+            first_compile = compile_stats.since(compiling)
+            print(first_compile.line(cache and cache.directory), flush=True)
     timed = steps[1:] or steps  # the first step compiles
     reports = fastgrpo.fusion_reports()
     matched = {}
@@ -211,7 +218,7 @@ def run(args) -> dict:
         "torch": torch.__version__, "tiny": args.tiny, "offload": args.offload, "inner": inner,
         "generation_compile": args.generation_compile, "group": GROUP, "prompt": prompt_len, "completion": completion,
         "lora_rank": LORA_RANK, "build_s": round(build_s, 1), "model_bytes": model_bytes,
-        "first_step_s": steps[0]["step_s"],
+        "first_step_s": steps[0]["step_s"], "first_step_compile": first_compile.log_fields(),
         "generation_s": statistics.median(s["generation_s"] for s in timed),
         "update_s": statistics.median(s["update_s"] for s in timed),
         "step_s": statistics.median(s["step_s"] for s in timed),
@@ -257,6 +264,8 @@ def main() -> int:
     parser.add_argument("--inner", help="the fastgrpo backend's inner compiler (default: inductor on CUDA, eager on CPU)")
     parser.add_argument("--generation-compile", default="auto", choices=["auto", "on", "off"],
                         help="compile the decode step (auto: EmbeddedGenerator's default, CUDA graphs on CUDA)")
+    parser.add_argument("--compile-cache", help="persistent compile cache directory, or 'off' (default: fastgrpo's, "
+                        "$FASTGRPO_COMPILE_CACHE or ~/.cache/fastgrpo/compile); run twice for the warm first step")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU is fine)")
     args = parser.parse_args()
     result = run(args)

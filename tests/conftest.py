@@ -13,6 +13,11 @@ if os.environ.get("FASTGRPO_TEST_DEVICE"):
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The trainers the tests build keep their compile caches in a directory of this run, not in ~/.cache/fastgrpo.
+if "FASTGRPO_COMPILE_CACHE" not in os.environ:
+    import tempfile
+
+    _COMPILE_CACHE = os.environ["FASTGRPO_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="fastgrpo-test-compile-cache-")
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -29,6 +34,13 @@ def pytest_configure(config):
     # failure. Added here, not in pyproject.toml: pytest resolves the class by importing fastgrpo (and so triton),
     # which must come after TRITON_INTERPRET is set above.
     config.addinivalue_line("filterwarnings", "error::fastgrpo.compiler.backend.PassFailedWarning")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "_COMPILE_CACHE" in globals():
+        import shutil
+
+        shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

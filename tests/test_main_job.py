@@ -52,10 +52,12 @@ def adapter_weights(out_dir):
     return load_file(out_dir / "adapter" / "adapter_model.safetensors")
 
 
-def test_job_trains_and_writes_adapter_plot_and_logs(model_dir, tmp_path):
+def test_job_trains_and_writes_adapter_plot_and_logs(model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     start = time.perf_counter()
     run(model_dir, out, "--task", "chain_sum", "--backend-options", "inner=aot_eager")
+    # After the first step: what compiling cost, one decoder-layer graph for training and one for the reference.
+    assert "s compiling: 2 graph(s) from 2 frame compile(s)" in capsys.readouterr().out
     print(f"2-step job: {time.perf_counter() - start:.1f} s")
     weights = adapter_weights(out)
     assert weights and all(torch.isfinite(w).all() for w in weights.values())
@@ -70,6 +72,11 @@ def test_job_trains_and_writes_adapter_plot_and_logs(model_dir, tmp_path):
         for key in ("reward", "kl", "peak_memory_gib", "rewards/closeness_reward/mean", "rewards/format_reward/mean"):
             assert key in line, key
     assert lines[1]["tokens_per_s"] > 0
+    # The first line says what compiling cost before the first step ended, and how the compile cache was used.
+    assert lines[0]["compile_s"] > 0 and lines[0]["compile/graphs"] == 2
+    assert {"compile/aot_cache_hits", "compile/aot_cache_misses", "compile/fx_graph_cache_hits",
+            "compile/fx_graph_cache_misses"} <= lines[0].keys()
+    assert not any(key.startswith("compile") for key in lines[1])
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
 

@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch import fx
 
+from fastgrpo.compiler.cache import recovering, tagged_cache_keys
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report, publish
 from fastgrpo.passes import PASSES, autocast
@@ -62,11 +63,19 @@ def _inner_compiler(options: Options, mode: str | None):
 
         return lookup_backend("aot_eager")
     from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     config = dict(list_mode_options(mode)) if mode else {}
     config.update(options.inductor_config)
-    return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=config)
+    # Cache keys carry fastgrpo's source hash, and a damaged cache file is recompiled, not fatal (compiler/cache.py);
+    # the inner compile is wrapped too, for the backward that AOTAutograd may compile later, outside this call.
+    inner = recovering(compile_fx_inner)
+
+    def compile(gm, example_inputs):
+        with tagged_cache_keys():
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config)
+
+    return compile
 
 
 def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):

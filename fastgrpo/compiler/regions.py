@@ -14,6 +14,11 @@ log-prob passes carry no cache and stay compiled; a decode step compiled as a wh
 computes gradients with a cache (HF's `use_cache` left on outside gradient checkpointing) would
 lose the compiled layers silently: that warns once, naming the fix.
 
+Dynamo guards on whether each tensor input requires grad. Under `no_grad` that flag changes nothing a
+layer computes, yet it differs between layer 0 (whose input `enable_input_require_grads`' hook marks,
+even in a no-grad pass) and the layers after it: so a no-grad call detaches its tensor inputs first, and
+one no-grad graph serves every layer (the scoring passes of GRPO's old policy and reference).
+
 Under DistributedDataParallel the compiled calls run outside Dynamo's DDPOptimizer (`unsplit_by_ddp`).
 """
 import contextlib
@@ -57,9 +62,17 @@ def unsplit_by_ddp():
         DistributedDataParallel._active_ddp_module = active
 
 
+def _without_grad_flags(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Tensor inputs that require grad, detached (for no-grad calls: see the module docstring)."""
+    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args, *kwargs.values())):
+        return args, kwargs
+    detach = lambda v: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v  # noqa: E731
+    return tuple(map(detach, args)), {key: detach(value) for key, value in kwargs.items()}
+
+
 def _eager_with_cache(block: nn.Module, compiled):
-    """The block's compiled call (unsplit by DDP), except for calls that carry a KV cache (see the module
-    docstring)."""
+    """The block's compiled call (unsplit by DDP), except for calls that carry a KV cache; no-grad calls with
+    their inputs detached (see the module docstring)."""
 
     def call(*args, **kwargs):
         if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
@@ -71,6 +84,8 @@ def _eager_with_cache(block: nn.Module, compiled):
                     stacklevel=2,
                 )
             return block._call_impl(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            args, kwargs = _without_grad_flags(args, kwargs)
         with unsplit_by_ddp():
             return compiled(*args, **kwargs)
 
@@ -85,17 +100,21 @@ def compile_repeated_blocks(
     `offload_checkpointing=True` also checkpoints every layer with its input held in host memory
     (`fastgrpo.compiler.offload.enable_offloaded_checkpointing`; `offload_handle(model)` returns its
     handle), instead of HF's `gradient_checkpointing_enable()`, whose flag then toggles the offloading.
-    Works on PEFT models. Raises if the model has no repeated blocks (compile the whole model instead)."""
+    Works on PEFT models. Raises if the model has no repeated blocks (compile the whole model instead), or if
+    they are compiled already (with options that may differ)."""
     blocks = repeated_blocks(model)
     if blocks is None:
         raise ValueError(
             f"{type(model).__name__} has no nn.ModuleList of repeated blocks; "
             f"use torch.compile(model, backend='fastgrpo') on the whole model instead"
         )
+    if any(getattr(block, "_fastgrpo_compiled", False) for block in blocks):
+        raise RuntimeError(f"the repeated blocks of {type(model).__name__} are compiled already")
     for block in blocks:
         # The function itself, not the name: works without the package's entry point installed.
         block.compile(backend=fastgrpo_backend, options=options, dynamic=dynamic)
         block._compiled_call_impl = _eager_with_cache(block, block._compiled_call_impl)
+        block._fastgrpo_compiled = True
     if offload_checkpointing:
         from fastgrpo.compiler.offload import enable_offloaded_checkpointing  # it imports repeated_blocks from here
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fastgrpo.compiler.cache import fastgrpo_cache_root
+
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_ALIASES = (SMOLLM2_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,8 +26,7 @@ _CACHE_COMPLETE_MARKER = "fastgrpo-cache-complete"
 
 def default_cache_dir() -> Path:
     """Where the converted SmolLM2 checkpoint lives: $FASTGRPO_CACHE/smollm2 or ~/.cache/fastgrpo/smollm2."""
-    root = os.environ.get("FASTGRPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastgrpo")
-    return Path(root) / SMOLLM2_NAME
+    return fastgrpo_cache_root() / SMOLLM2_NAME
 
 
 def smollm2_gguf_dir() -> Path:

@@ -51,11 +51,12 @@ from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
-from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
+from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend
+from fastgrpo.compiler.cache import enable_compile_cache
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.options import training_options
-from fastgrpo.compiler.report import GraphBreakLog
-from fastgrpo.compiler.regions import unsplit_by_ddp
+from fastgrpo.compiler.regions import repeated_blocks, unsplit_by_ddp
+from fastgrpo.integrations.compile_log import CompileLog, FusionSummary
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
@@ -136,6 +137,14 @@ class GRPOConfig(TRLGRPOConfig):
             "training on CUDA with gradient_checkpointing=True (TRL's default); True needs gradient_checkpointing. "
             "Always non-reentrant. The policy's decoder layers are then compiled one region each instead of the "
             "whole decoder as one graph."
+        },
+    )
+    fastgrpo_compile_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the persistent compile caches (inductor's FX graphs, AOTAutograd, Triton kernels), "
+            "one subdirectory per torch/triton/transformers/fastgrpo version set: a second run loads what the first "
+            "compiled. None: $FASTGRPO_COMPILE_CACHE, else ~/.cache/fastgrpo/compile; 'off' turns compile caches off."
         },
     )
     fastgrpo_freeze_gc: bool = field(
@@ -323,10 +332,16 @@ def auto_logprob_chunk(hidden_size: int, itemsize: int, device: torch.device) ->
 
 
 class CompiledBackbone:
-    """Calls a decoder through `torch.compile(backend="fastgrpo")`, compiling again only if the module is replaced.
+    """Calls a decoder through `torch.compile(backend="fastgrpo")`, compiled once.
 
-    The compiled wrapper is kept here rather than on the model, so the model's modules, state dict and
-    `generate` stay untouched.
+    A decoder with repeated blocks (its layers) has each block compiled as one region, in place
+    (`compile_repeated_blocks`): one layer graph then serves every layer of the training forward and backward,
+    and one more the no-grad scoring passes (a third when those run with other adapters than training), where
+    the whole decoder traced as one graph was traced and compiled again for every kind of pass: the main job's
+    first step on the 2-core CPU machine spent 111 s compiling two whole-decoder graphs (`fastgrpo train
+    --max-steps 2`, SmolLM2-135M, aot_eager). Layers called with a KV cache (generation) run uncompiled. A decoder
+    without repeated blocks is compiled whole, its wrapper kept here, so the model's modules, state dict and
+    `generate` stay untouched; it is compiled again only if the module is replaced.
     """
 
     def __init__(self, enabled: bool, options: dict | None):
@@ -339,9 +354,10 @@ class CompiledBackbone:
         if not self.enabled:
             return module(*args, **kwargs)
         if self._module is not module:
-            # The backend registered as "fastgrpo", passed as the function so no installed entry point is needed.
-            self._compiled = torch.compile(module, backend=fastgrpo_backend, options=self.options)
             self._module = module
+            self._compiled = self._compile(module)
+        if self._compiled is module:  # the blocks are the compiled regions; they mark their own dynamic sizes
+            return module(*args, **kwargs)
         # Lengths change every batch and the last mini-batch is often shorter: mark rows and sequence dynamic up
         # front instead of compiling a static graph first and a dynamic one on the next shape.
         for value in list(args) + list(kwargs.values()):
@@ -350,6 +366,16 @@ class CompiledBackbone:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
         with unsplit_by_ddp():
             return self._compiled(*args, **kwargs)
+
+    def _compile(self, module: torch.nn.Module):
+        blocks = repeated_blocks(module)
+        if blocks is None:
+            # The backend registered as "fastgrpo", passed as the function so no installed entry point is needed.
+            return torch.compile(module, backend=fastgrpo_backend, options=self.options)
+        if not getattr(blocks[0], "_fastgrpo_compiled", False):  # another head on this decoder compiled them
+            # dynamic: rows and lengths change every batch (packed or padded); one graph serves them all.
+            compile_repeated_blocks(module, options=self.options, dynamic=True)
+        return module
 
 
 @dataclass
@@ -533,38 +559,6 @@ def keep_bnb_4bit_on_its_autograd_path(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-class FusionSummary(TrainerCallback):
-    """After the first optimizer step, says once (main process) what the backend has fused in this process, and
-    warns with every site it could not accelerate and every graph break, each with its reason: nothing falls back
-    silently. (Graphs compiled earlier in the process are reused, not compiled again: they count too.)"""
-
-    def __init__(self):
-        self.done = False
-        # Dynamo's graph-break log while the first step compiles: unlike its counter it names breaks in loops,
-        # after which Dynamo skips the whole frame, and data-dependent guards (GraphBreakLog).
-        self.graph_breaks = GraphBreakLog()
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not self.done:
-            self.graph_breaks.start()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.graph_breaks.stop()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.done:
-            return
-        self.done = True
-        self.graph_breaks.stop()
-        if not state.is_world_process_zero:
-            return
-        line, problems = fusion_summary(fusion_reports(), self.graph_breaks.result())
-        print(line, flush=True)
-        if problems:
-            warnings.warn("fastgrpo: not accelerated (graphs compiled in this process so far):\n  " + "\n  ".join(problems),
-                          stacklevel=2)
-
-
 class FreezeLongLivedObjects(TrainerCallback):
     """gc.collect() then gc.freeze() after the first optimizer step, gc.unfreeze() when training ends.
 
@@ -606,6 +600,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                 f"{type(args).__name__}. Build it with fastgrpo.integrations.trl.GRPOConfig, or call "
                 "fastgrpo.integrations.trl.patch_trl() before `from trl import GRPOConfig`."
             )
+        self._compile_log = CompileLog(enable_compile_cache(args.fastgrpo_compile_cache))  # before any compile
         with shared_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         if self.aux_loss_enabled:
@@ -637,15 +632,17 @@ class GRPOTrainer(TRLGRPOTrainer):
             self._fastgrpo_heads.append(head)
         if self._offload_on():
             self._offload_checkpointing()
+        self.add_callback(self._compile_log)
         if args.fastgrpo_compile:
             self.add_callback(FusionSummary())
         if args.fastgrpo_freeze_gc:
             self.add_callback(FreezeLongLivedObjects())
         reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
-        # With offloading (always non-reentrant) the hook is kept for another reason: the layers are compiled one
-        # region each, and a first layer whose input needs no grad would compile a second layer graph (offloading
-        # swaps the leaf the hook makes for an alias that autograd does not hold through the backward).
-        needed = reentrant or self._offload_on()
+        # With the layers compiled one region each (CompiledBackbone, offloading) the hook is kept for another reason:
+        # a first layer whose input needs no grad would compile a second layer graph (offloading also swaps the
+        # leaf the hook makes for an alias that autograd does not hold through the backward).
+        regions = args.fastgrpo_compile and repeated_blocks(causal_lm_of(self.model)) is not None
+        needed = reentrant or self._offload_on() or regions
         keep_one_input_require_grads_hook(causal_lm_of(self.model), needed=needed)
 
     def _offload_checkpointing(self) -> None:
@@ -726,6 +723,10 @@ class GRPOTrainer(TRLGRPOTrainer):
             and self.args.generation_kwargs is None
             and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         )
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        logs.update(self._compile_log.pop_fields())  # the first entry after the first step: compile_s, cache use
+        super().log(logs, start_time)
 
     def _offload_on(self) -> bool:
         choice = self.args.fastgrpo_offload_checkpointing

@@ -1,0 +1,178 @@
+"""The persistent compile cache (fastgrpo.compiler.cache) across processes, by torch's counters (not by time).
+
+Each run is a fresh process (tests/compile_cache_child.py) that compiles a residual RMSNorm + gated-MLP block
+through the fastgrpo backend with inductor on the CPU, its cache in a temporary directory.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastgrpo.compiler import cache as compile_cache
+
+ROOT = Path(__file__).resolve().parent.parent
+SAME = [4, {}]
+
+
+def run(cache: Path, *cases, device: str = "cpu") -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "tests.compile_cache_child", str(cache), json.dumps(cases), device],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cache_use(case: dict) -> dict:
+    aot, inductor = case["counters"]["aot_autograd"], case["counters"]["inductor"]
+    return {"aot_hits": aot.get("autograd_cache_hit", 0), "aot_misses": aot.get("autograd_cache_miss", 0),
+            "fx_hits": inductor.get("fxgraph_cache_hit", 0), "fx_misses": inductor.get("fxgraph_cache_miss", 0),
+            "bypasses": aot.get("autograd_cache_bypass", 0) + inductor.get("fxgraph_cache_bypass", 0)}
+
+
+def environment_dir(cache: Path) -> Path:
+    (directory,) = cache.iterdir()
+    return directory
+
+
+def copy_of(cold, tmp_path) -> Path:
+    cache = tmp_path / "cache"
+    shutil.copytree(cold[0], cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A cache filled by one process, and what that process computed."""
+    cache = tmp_path_factory.mktemp("compile-cache") / "cache"
+    result = run(cache, SAME)
+    assert result["warnings"] == []
+    return cache, result["cases"][0]
+
+
+def test_first_process_compiles_and_fills_the_cache(cold):
+    cache, case = cold
+    assert cache_use(case) == {"aot_hits": 0, "aot_misses": 1, "fx_hits": 0, "fx_misses": 2, "bypasses": 0}
+    directory = environment_dir(cache)
+    assert directory.name == compile_cache.environment_key()
+    manifest = json.loads((directory / compile_cache.MANIFEST).read_text())
+    assert any(name.startswith("torch/aotautograd/") for name in manifest)
+    assert any(name.startswith("torch/fxgraph/") for name in manifest)
+
+
+def test_second_process_compiles_nothing_new_and_a_changed_shape_or_option_misses(cold, tmp_path):
+    cache = copy_of(cold, tmp_path)
+    same, shape, option = run(cache, SAME, [6, {}], [4, {"patterns": ["rms_norm"]}])["cases"]
+    # Dynamo traces again (its graph is the cache key); AOTAutograd and inductor load what the first process made.
+    assert cache_use(same) == {"aot_hits": 1, "aot_misses": 0, "fx_hits": 2, "fx_misses": 0, "bypasses": 0}
+    assert same["counters"]["stats"]["unique_graphs"] == 1
+    assert (same["out"], same["grad"]) == (cold[1]["out"], cold[1]["grad"])
+    for changed in (shape, option):
+        use = cache_use(changed)
+        assert use["aot_hits"] == 0 and use["aot_misses"] == 1 and use["fx_misses"] >= 1, use
+    assert option["out"] == pytest.approx(same["out"], rel=1e-5)
+
+
+def _damage(path: Path) -> None:
+    path.write_bytes(b"damaged")
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["in-manifest", "written-after-manifest"])
+def test_damaged_cache_files_are_removed_with_one_warning_and_rebuilt(cold, tmp_path, recorded):
+    """Compiled kernels and generated modules damaged, with the manifest that recorded them (found before any
+    compile; with the cache entries and inductor's CPU probe libraries), or without it (each found when it fails
+    to load, and compiled again)."""
+    cache = copy_of(cold, tmp_path)
+    directory = environment_dir(cache)
+    if recorded:
+        damaged = [*directory.rglob("*.so"), *directory.rglob("c*.py"), *directory.glob("torch/fxgraph/*/*/*"),
+                   *directory.glob("torch/aotautograd/*/*")]
+    else:
+        damaged = [*directory.rglob("*.main.so"), *directory.rglob("c*.py")]
+        (directory / compile_cache.MANIFEST).unlink()
+    assert damaged
+    for path in damaged:
+        _damage(path)
+
+    result = run(cache, SAME)
+    (case,) = result["cases"]
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert "removed" in result["warnings"][0]
+    assert (case["out"], case["grad"]) == (cold[1]["out"], cold[1]["grad"])
+    if recorded:  # removed before any compile: what follows is a cold compile, rebuilt as in the first process
+        return
+    again = run(cache, SAME)  # what failed to load was compiled again and recorded: no warning, all hits
+    assert again["warnings"] == []
+    assert cache_use(again["cases"][0])["aot_hits"] == 1
+    assert (again["cases"][0]["out"], again["cases"][0]["grad"]) == (cold[1]["out"], cold[1]["grad"])
+
+
+@pytest.mark.gpu
+def test_gpu_second_process_loads_graphs_and_triton_kernels(tmp_path):
+    """On CUDA the second process compiles nothing either: AOTAutograd and FX graph hits, and Triton's cache (inductor's
+    kernels, fastgrpo's own RMSNorm kernel) gains no file: every kernel is loaded, none compiled."""
+    cache = tmp_path / "cache"
+    first = run(cache, SAME, device="cuda")["cases"][0]
+
+    def triton_files():
+        return {p for p in cache.glob("*/triton/**/*") if p.is_file()}
+
+    compiled = triton_files()
+    assert compiled
+    second = run(cache, SAME, device="cuda")
+    assert second["warnings"] == []
+    assert cache_use(second["cases"][0]) == {"aot_hits": 1, "aot_misses": 0, "fx_hits": 2, "fx_misses": 0, "bypasses": 0}
+    assert (second["cases"][0]["out"], second["cases"][0]["grad"]) == (first["out"], first["grad"])
+    assert triton_files() == compiled
+
+
+def test_environment_key_follows_every_version_and_fastgrpo_source(monkeypatch):
+    key = compile_cache.environment_key()
+    for name in ("python", "torch", "triton", "transformers", "fastgrpo"):
+        changed = {**compile_cache.environment(), name: "other"}
+        monkeypatch.setattr(compile_cache, "environment", lambda changed=changed: changed)
+        assert compile_cache.environment_key() != key, name
+        monkeypatch.undo()
+    assert compile_cache.environment()["fastgrpo"] == compile_cache.source_hash()
+
+
+def test_cache_key_tag_keeps_the_users_tag():
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        with compile_cache.tagged_cache_keys():
+            assert torch.compiler.config.cache_key_tag == f"mine|{compile_cache.cache_key_tag()}"
+            with compile_cache.tagged_cache_keys():  # nested: added once
+                assert torch.compiler.config.cache_key_tag == f"mine|{compile_cache.cache_key_tag()}"
+        assert torch.compiler.config.cache_key_tag == "mine"
+
+
+def test_setting_resolution(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path / "root"))
+    assert compile_cache.resolve_root(None) == tmp_path / "root" / "compile"
+    assert compile_cache.resolve_root(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
+    assert compile_cache.resolve_root(None) == tmp_path / "env"
+    for off in ("off", "OFF", "none", "0", False):
+        assert compile_cache.resolve_root(off) is None
+    with pytest.raises(ValueError, match="'off'"):
+        compile_cache.resolve_root(" ")
+
+
+def test_only_the_most_recent_environments_are_kept(tmp_path):
+    """Beyond the most recently used, environments unused for a day are removed; newer ones are left (another
+    fastgrpo tree's run may be using them), and so is what is not an environment directory."""
+    now = time.time()
+    ages = [3600 * hours for hours in (1, 2, 30, 3, 40)]  # two beyond the kept ones are older than a day
+    for i, age in enumerate(ages):
+        old = tmp_path / f"env-{i}"
+        old.mkdir()
+        (old / compile_cache.ENVIRONMENT).write_text("{}")
+        os.utime(old / compile_cache.ENVIRONMENT, (now - age, now - age))
+    (tmp_path / "not-ours").mkdir()
+    compile_cache._prune(tmp_path, keep=tmp_path / "current")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env-0", "env-1", "env-3", "not-ours"]
