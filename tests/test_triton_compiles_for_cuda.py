@@ -30,6 +30,7 @@ import fastgrpo.kernels
 from fastgrpo.kernels import _dispatch
 from fastgrpo.kernels import rms_norm as rms_norm_module
 from fastgrpo.kernels.act_mul import act_mul
+from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
 from fastgrpo.kernels.rope import rope
@@ -180,6 +181,21 @@ def _run_every_op():
         (logp.sum() + entropy.sum()).backward()
         for softcap in (0.0, 30.0):  # the frozen head: the gradient computed in forward
             selective_logprob(hidden, head.detach(), targets, logit_scale=0.5, softcap=softcap).sum().backward()
+
+    # Decode attention: several splits (few rows) and one split (rows enough to fill the GPU), in each dtype, at head
+    # dims 64, 80 (padded), 128 and 256, with and without window, softcap and sinks.
+    for dtype, batch, kv_heads, group, head_dim, slots, options in (
+            (torch.bfloat16, 2, 1, 8, 128, 256, dict(window=64, softcap=50.0, sinks=torch.zeros(8))),
+            (torch.bfloat16, 200, 2, 6, 128, 256, {}),
+            (torch.bfloat16, 200, 1, 4, 256, 64, dict(window=32, softcap=30.0)),
+            (torch.float16, 4, 2, 2, 64, 512, dict(sinks=torch.zeros(4))),
+            (torch.float32, 2, 2, 2, 80, 128, dict(softcap=20.0))):
+        q = torch.randn(batch, kv_heads * group, head_dim, dtype=dtype)
+        k_new, v_new = (torch.randn(batch, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        k_cache, v_cache = (torch.zeros(batch + 1, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
+        start = torch.zeros(batch + 1, dtype=torch.int64)
+        decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
+                         scale=head_dim ** -0.5, **options)
 
     # RMSNorm's backward in each form a launch configuration selects, whichever the defaults pick at these widths:
     # the row loop of persistent programs with the next rows prefetched into registers (stages 0) or

@@ -168,7 +168,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale), float(softcap or 0.0),
         G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
-        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=q.is_cuda and k_cache.dtype != torch.float32, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=cuda and k_cache.dtype != torch.float32, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )  # fmt: skip
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(b, hq)](
