@@ -180,14 +180,17 @@ def run(args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    def cell(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     lines = ["| shape | system | step s | generation s | scoring s | update s | peak GiB | first step s | vs trl |",
              "|---|---|---|---|---|---|---|---|---|"]
     trl = {r["shape"]: r["step_s"] for r in rows if r["system"] == "trl"}
     for r in rows:
         ratio = f"{trl[r['shape']] / r['step_s']:.2f}x" if r["shape"] in trl else "-"
-        lines.append(f"| {r['shape']} | {r['system']} | {r['step_s']:.2f} | {r['generation_s']:.2f} | "
-                     f"{r['scoring_s']:.2f} | {r['update_s']:.2f} | {r['peak_gib']:.2f} | {r['first_step_s']:.1f} | "
-                     f"{ratio} |")
+        lines.append(f"| {r['shape']} | {r['system']} | {cell(r['step_s'])} | {cell(r['generation_s'])} | "
+                     f"{cell(r['scoring_s'])} | {cell(r['update_s'])} | {cell(r['peak_gib'])} | "
+                     f"{cell(r['first_step_s'], 1)} | {ratio} |")
     return "\n".join(lines)
 
 
