@@ -1,0 +1,65 @@
+"""The trainer's "auto" sizes: rows per forward pass and tokens per log-prob call, from free accelerator memory."""
+from __future__ import annotations
+
+
+import torch
+
+
+
+# Fraction of the free accelerator memory the "auto" sizes may plan to use. The rest is left to
+# the optimizer step, the allocator's fragmentation and whatever else shares the device.
+AUTO_MEMORY_FRACTION = 0.5
+# "auto" sizes on CPU, where free memory says little about what is fast: a fixed, modest size.
+CPU_MINI_BATCH = 8
+CPU_LOGPROB_CHUNK = 4096
+# Smallest "auto" token chunk on an accelerator.
+MIN_LOGPROB_CHUNK = 4096
+
+
+def _free_accelerator_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def _activation_bytes() -> int:
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda").itemsize
+    return 4
+
+
+def auto_mini_batch(
+    model_config, rows: int, seq_len: int, device: torch.device, grad: bool, checkpointing: bool
+) -> int:
+    """Rows per forward pass, so that one mini-batch's transient activations fit the memory budget.
+
+    Per token, a decoder layer's intermediates are about 10 hidden-sized and 3 intermediate-sized
+    tensors, alive one layer at a time. With grad, every row of the batch also keeps activations
+    until the backward whatever the mini-batch (each layer's input under gradient checkpointing,
+    all its intermediates without), so those come off the budget first. Attention is assumed to be
+    SDPA/flash (no [seq x seq] scores kept).
+    """
+    free = _free_accelerator_bytes(device)
+    if free is None:
+        return min(rows, CPU_MINI_BATCH)
+    text = model_config.get_text_config()
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    one_layer = (10 * hidden + 3 * inter) * _activation_bytes()
+    kept = 0
+    if grad:
+        kept = layers * (hidden * _activation_bytes() if checkpointing else one_layer)
+    budget = free * AUTO_MEMORY_FRACTION - kept * rows * seq_len
+    return max(1, min(rows, int(budget // (one_layer * seq_len))))
+
+
+def auto_logprob_chunk(hidden_size: int, itemsize: int, device: torch.device) -> int:
+    """Completion tokens per selective_logprob call.
+
+    The op walks the [tokens x vocab] logits in fixed-size tiles, so what grows with the tokens of
+    one call is per token: the gathered hidden row, its gradient and the op's d(hidden) output.
+    """
+    free = _free_accelerator_bytes(device)
+    if free is None:
+        return CPU_LOGPROB_CHUNK
+    return max(MIN_LOGPROB_CHUNK, int(free * AUTO_MEMORY_FRACTION) // (3 * hidden_size * itemsize))
