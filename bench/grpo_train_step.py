@@ -78,27 +78,22 @@ class StepClock:
         self.generation, self.scoring, self.steps, self.peaks = [], [], [], []
 
     def wrap(self, trainer):
+        """Time TRL's generation and its generate-and-score method (which contains it) in every step."""
         clock = self
-        generate, score = trainer._generate_single_turn, trainer._generate_and_score_completions
 
-        def timed_generate(*args, **kwargs):
-            clock.sync()
-            start = time.perf_counter()
-            out = generate(*args, **kwargs)
-            clock.sync()
-            clock._generation += time.perf_counter() - start
-            return out
+        def timed(method, total: str):
+            def call(*args, **kwargs):
+                clock.sync()
+                start = time.perf_counter()
+                out = method(*args, **kwargs)
+                clock.sync()
+                setattr(clock, total, getattr(clock, total) + time.perf_counter() - start)
+                return out
 
-        def timed_score(*args, **kwargs):
-            clock.sync()
-            start = time.perf_counter()
-            out = score(*args, **kwargs)
-            clock.sync()
-            clock._scored += time.perf_counter() - start
-            return out
+            return call
 
-        trainer._generate_single_turn = timed_generate
-        trainer._generate_and_score_completions = timed_score
+        trainer._generate_single_turn = timed(trainer._generate_single_turn, "_generation")
+        trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "_scored")
 
     def callback(self):
         from transformers import TrainerCallback
