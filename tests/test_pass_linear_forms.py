@@ -114,27 +114,31 @@ def test_a_product_against_an_untransposed_tensor_stays_a_matmul_and_says_why():
 
 
 def test_only_products_that_are_linears_are_rewritten():
-    """Of a batched product (attention scores), a contraction against an [in, out] tensor, an implicit output and a
-    linear einsum over [out, in], only the last becomes a linear."""
+    """Of a batched product (attention scores), a contraction against an [in, out] tensor, an implicit output, an
+    addmm scaling its bias, an addmm with a plain bias and a linear einsum over [out, in], the last two become
+    linears."""
     from fastgrpo.passes import linear_forms
 
     def scores(q, k, m, w):
         batched = torch.einsum("bhqk,bhkd->bhqd", torch.einsum("bhqd,bhkd->bhqk", q, k), k)
         untransposed, implicit = torch.einsum("bhqd,dv->bhqv", q, m), torch.einsum("bhqd,vd", q, w)
-        return batched + untransposed + implicit + torch.einsum("bhqd,vd->bhqv", q, w)
+        rows, bias = q.flatten(0, -2), w[0]
+        scaled = torch.addmm(bias, rows, w.t(), beta=0.5).view_as(q)  # beta != 1: not a linear's bias
+        added = torch.addmm(bias, rows, w.t()).view_as(q)  # a linear with a bias
+        return batched + untransposed + implicit + scaled + added + torch.einsum("bhqd,vd->bhqv", q, w)
 
     rewritten = []
 
     def backend(gm, example_inputs):
         rewritten.append(linear_forms.apply(gm))
-        assert sum(node.target is F.linear for node in gm.graph.nodes) == 1
+        assert sum(node.target is F.linear for node in gm.graph.nodes) == 2
         return gm.forward
 
     torch.manual_seed(0)
     inputs = [torch.randn(*s) for s in ((1, 2, 5, 8), (1, 2, 5, 8), (8, 8), (8, 8))]
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(scores, backend=backend)(*inputs), scores(*inputs))
-    assert rewritten == [1]
+    assert rewritten == [2]
 
 
 def test_a_failure_half_way_puts_the_graph_back_and_warns(monkeypatch):
