@@ -52,13 +52,16 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend, fusion_reports, fusion_summary
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.options import checked_options
 from fastgrpo.compiler.report import GraphBreakLog
 from fastgrpo.compiler.regions import unsplit_by_ddp
+from fastgrpo.integrations.checkpoints import save_checkpoint_atomically
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.kernels.selective_logprob import selective_logprob
+from fastgrpo.versions import warn_untested_versions
 
 # Fraction of the free accelerator memory the "auto" sizes may plan to use. The rest is left to
 # the optimizer step, the allocator's fragmentation and whatever else shares the device.
@@ -239,8 +242,7 @@ class GRPOConfig(TRLGRPOConfig):
                 "fastgrpo_offload_checkpointing=True is a form of gradient checkpointing; set gradient_checkpointing=True "
                 "(TRL's default) or turn the offloading off."
             )
-        if isinstance(self.fastgrpo_compile_options, str):
-            self.fastgrpo_compile_options = json.loads(self.fastgrpo_compile_options)
+        self.fastgrpo_compile_options = checked_options(self.fastgrpo_compile_options, "fastgrpo_compile_options")
         if isinstance(self.fastgrpo_vllm_kwargs, str):
             self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
         if self.use_vllm and (error := vllm_import_error()) is not None:
@@ -589,6 +591,7 @@ class GRPOTrainer(TRLGRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *more_args, **kwargs):
+        warn_untested_versions()
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
@@ -639,6 +642,10 @@ class GRPOTrainer(TRLGRPOTrainer):
         # swaps the leaf the hook makes for an alias that autograd does not hold through the backward).
         needed = reentrant or self._offload_on()
         keep_one_input_require_grads_hook(self._causal_lm(self.model), needed=needed)
+
+    def _save_checkpoint(self, model, trial):
+        """checkpoint-N appears only when complete (fastgrpo.integrations.checkpoints)."""
+        save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
 
     def _offload_checkpointing(self) -> None:
         """Checkpoint the policy's decoder layers with their inputs in host memory.
