@@ -162,3 +162,50 @@ def test_a_failure_half_way_puts_the_graph_back_and_warns(monkeypatch):
         assert_compiled_matches_eager(logps, hidden, weight, torch.randint(0, 77, (2, 6)))
     (record,) = _records("selective_logprob")
     assert record["matched"] == 0 and "stopped at matmul" in record["near_misses"][0]["reason"]
+
+
+def test_spelled_adapters_enter_the_fused_mlp_in_the_autocast_dtype():
+    """Under bf16 autocast PEFT's fp32 adapters, spelled as matmuls, get autocast's casts like linears do: the MLP op
+    takes every operand in bf16."""
+    from tests.test_autocast import AUTOCAST, _capture, _dtype, _lora_mlp
+
+    model = _spelled(_lora_mlp(), "matmul_T")
+    backend, seen = _capture({"inner": "eager", "patterns": ["gated_mlp"]})
+    fastgrpo.clear_fusion_reports()
+    with torch.autocast(**AUTOCAST):
+        torch.compile(model, backend=backend)(torch.randn(3, 7, 32, dtype=torch.bfloat16))
+    (op,) = [n for n in seen[0].graph.nodes if n.target is torch.ops.fastgrpo.gated_mlp.default]
+    tensors = [a for a in op.args if isinstance(a, torch.fx.Node)]
+    assert len(tensors) == 10 and {_dtype(a) for a in tensors} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spelling", ["matmul_T", "einsum_ellipsis", "mm_between_reshapes"])
+def test_on_cuda_under_bf16_autocast_a_spelled_model_computes_what_the_linear_one_does(spelling):
+    """The Triton kernels on CUDA, bf16 autocast: written as F.linear, the spelled model's graph is the linear one's,
+    so its log-probs and LoRA gradients are bit for bit those of the same model with nn.Linear's own forward."""
+    import copy
+
+    reference = tiny_model("llama", lora=True).cuda()
+    for name, param in reference.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    spelled = _spelled(copy.deepcopy(reference), spelling)
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    results = []
+    for model in (reference, spelled):
+        fastgrpo.clear_fusion_reports()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda input_ids, m=model: m(input_ids=input_ids, use_cache=False).logits.float()
+                                 .log_softmax(-1).gather(-1, input_ids.roll(-1, 1).unsqueeze(-1)), backend="fastgrpo",
+                                 options={"inner": "eager"})
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = compiled(ids)
+        out.sum().backward()
+        matched = {n: sum(r["patterns"][n]["matched"] for r in fastgrpo.fusion_reports())
+                   for n in ("selective_logprob", "gated_mlp", "rope", "joined_projections")}
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, matched))
+    (out, grads, matched), (spelled_out, spelled_grads, spelled_matched) = results
+    assert spelled_matched == matched and matched["gated_mlp"] == reference.config.num_hidden_layers
+    assert torch.equal(spelled_out, out)
+    assert grads.keys() == spelled_grads.keys() and all(torch.equal(spelled_grads[n], grads[n]) for n in grads)

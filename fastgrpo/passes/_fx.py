@@ -239,8 +239,8 @@ def error_summary(error: Exception, limit: int = 300) -> str:
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:
-    """Erase the replaced pattern nodes, last first, skipping any still read elsewhere."""
-    for node in reversed(list(nodes)):
+    """Erase the replaced pattern nodes, last first, skipping any still read elsewhere (or listed twice)."""
+    for node in reversed(list(dict.fromkeys(nodes))):
         if node.graph is graph and not node.users:
             graph.erase_node(node)
 
