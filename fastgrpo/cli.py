@@ -1,9 +1,18 @@
-"""`fastgrpo` command line: `report` (what the backend matches on a model) and `train` (the GRPO main job)."""
+"""`fastgrpo` command line: `report` (what the backend matches on a model) and `train` (the GRPO main job).
+
+Bad input (`fastgrpo.errors.UserError`: a path that does not exist, an unknown config key or option, a YAML error)
+is printed as one line naming the fix, exit status 2; `--debug` (anywhere on the line) shows its traceback too.
+Other exceptions keep their traceback. A Ctrl-C that stops a command exits with status 130 (`train` saves a
+checkpoint at the first Ctrl-C and stops at once at the second: fastgrpo.integrations.checkpoints).
+"""
 import argparse
 import json
 import sys
 
 import torch
+
+from fastgrpo.errors import UserError
+from fastgrpo.versions import warn_untested_versions
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -12,7 +21,9 @@ def _load(args):
     if args.model:
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype])
+        from fastgrpo.integrations.models import resolve_model_path
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=_DTYPES[args.dtype])
         model.train()
         if args.lora:
             import peft
@@ -70,6 +81,9 @@ def report(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    warn_untested_versions()
     commands = {"report": report}
     try:
         from fastgrpo.integrations.main_job import main as train
@@ -78,9 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     if train is not None:
         commands["train"] = train
     if not argv or argv[0] not in commands:
-        print(f"usage: fastgrpo {{{','.join(commands)}}} [options]   (fastgrpo COMMAND --help for details)")
+        print(f"usage: fastgrpo {{{','.join(commands)}}} [--debug] [options]   (fastgrpo COMMAND --help for details)")
         return 2
-    return commands[argv[0]](argv[1:])
+    try:
+        return commands[argv[0]](argv[1:])
+    except UserError as error:
+        if debug:
+            raise
+        print(f"fastgrpo {argv[0]}: error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"fastgrpo {argv[0]}: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

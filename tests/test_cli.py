@@ -2,6 +2,9 @@
 training step and prints what was accelerated (table or JSON), graph breaks included."""
 import json
 
+import pytest
+import torch
+
 from fastgrpo.cli import main
 from fastgrpo.compiler.tiny import tiny_model
 from tests.tiny_models import count_modules
@@ -40,3 +43,108 @@ def test_report_on_a_local_model_directory_with_lora(tmp_path, capsys):
     layers = model.config.num_hidden_layers
     assert (patterns["rms_norm"]["matched"], patterns["rope"]["matched"], patterns["gated_mlp"]["matched"]) == (
         count_modules(model, "RMSNorm"), layers, layers)
+
+
+# ---- bad input: one line naming the fix, exit status 2, before anything loads
+
+
+@pytest.fixture(scope="module")
+def model_config_dir(tmp_path_factory):
+    """A directory with a model's config.json (the input checks look no further; nothing may load it)."""
+    path = tmp_path_factory.mktemp("config-only")
+    tiny_model("llama").config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails the test if the main job gets as far as loading a model."""
+    from fastgrpo.integrations import models
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(models, "load_model_and_tokenizer", load)
+
+
+def _bad_input_cases(tmp_path, model_dir):
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"max_stepz": 3}))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("max_steps: 3\nlearning_rate: [1e-4\nbeta: 0.0\n")
+    options = tmp_path / "options.yaml"
+    options.write_text("fastgrpo_compile_options:\n  inner: eager\n  patern: [rope]\n")
+    model = ["--model", str(model_dir)]
+    return {
+        "missing model": (["train", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
+        "missing config": (["train", *model, "--config", str(tmp_path / "nope.yaml")], "nope.yaml' does not exist"),
+        "unknown config key": (["train", *model, "--config", str(unknown)], "unknown keys ['max_stepz']"),
+        "yaml syntax": (["train", *model, "--config", str(broken)], "broken.yaml: YAML syntax error at line 3"),
+        "backend option typo": (["train", *model, "--backend-options", '{"patern": 1}'],
+                                "--backend-options: unknown fastgrpo backend option(s) ['patern']"),
+        "backend option type": (["train", *model, "--backend-options", "fuse_residual_add=yes"],
+                                "fuse_residual_add='yes'; it takes true or false"),
+        "option typo in config": (["train", *model, "--config", str(options)],
+                                  "fastgrpo_compile_options: unknown fastgrpo backend option(s) ['patern']"),
+        "task typo": (["train", *model, "--task", "chain_summ"], "did you mean chain_sum or"),
+        "missing dataset": (["train", *model, "--dataset", str(tmp_path / "rows.jsonl")], "rows.jsonl' does not exist"),
+        "bad GRPO value": (["train", *model, "--num-generations", "3", "--per-device-train-batch-size", "4",
+                            "--cpu-threads", str(torch.get_num_threads())], "config: "),
+        "report missing model": (["report", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
+        "report unknown arch": (["report", "--arch", "lama"], "unknown architecture 'lama'"),
+    }
+
+
+def test_bad_input_is_one_line_naming_the_fix_with_exit_status_2(tmp_path, model_config_dir, nothing_loads, capsys):
+    for case, (argv, expected) in _bad_input_cases(tmp_path, model_config_dir).items():
+        assert main(argv) == 2, case
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"fastgrpo {argv[0]}: error: "), (case, err)
+        assert expected in lines[0], (case, lines[0])
+        assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback_of_bad_input(nothing_loads):
+    from fastgrpo.errors import UserError
+
+    with pytest.raises(UserError, match="is neither"):
+        main(["train", "--debug", "--model", "/nonexistent/model"])
+
+
+def test_unexpected_errors_keep_their_traceback_and_ctrl_c_exits_130(monkeypatch, capsys):
+    from fastgrpo import cli
+
+    def fails(argv):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "report", fails)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["report"])
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "report", interrupted)
+    assert main(["report"]) == 130
+    assert capsys.readouterr().err.strip() == "fastgrpo report: stopped (Ctrl-C)"
+
+
+def test_the_command_checks_versions_once_at_start(monkeypatch):
+    from fastgrpo import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "warn_untested_versions", lambda: calls.append(1))
+    assert main(["reprot"]) == 2 and calls == [1]
+
+
+def test_grpo_config_checks_backend_options_where_they_enter():
+    from fastgrpo.errors import UserError
+    from fastgrpo.integrations.trl import GRPOConfig
+
+    with pytest.raises(UserError, match=r"fastgrpo_compile_options: unknown .* \['patern'\].*did you mean patterns"):
+        GRPOConfig(output_dir="unused", use_cpu=True, fastgrpo_compile_options={"patern": ["rope"]})
+    with pytest.raises(UserError, match="fastgrpo_compile_options: .* is not a JSON object"):
+        GRPOConfig(output_dir="unused", use_cpu=True, fastgrpo_compile_options="{inner: eager}")
+    config = GRPOConfig(output_dir="unused", use_cpu=True, fastgrpo_compile_options='{"inner": "eager"}')
+    assert config.fastgrpo_compile_options == {"inner": "eager"}

@@ -1,13 +1,19 @@
 """The `fastgrpo train` main job, end to end on a tiny random-init model (CPU)."""
 import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastgrpo.integrations import main_job
+from fastgrpo.integrations import checkpoints, main_job
 from fastgrpo.integrations.tasks import closeness_reward, format_reward, make_task_dataset
 from tests.tiny_models import tiny_tokenizer
 
@@ -39,13 +45,20 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def run(model_dir, out_dir, *extra, task_size=16):
+def job_argv(model_dir, out_dir, *extra, task_size=16, threads=None):
     config = out_dir.parent / f"{out_dir.name}-config.json"
     config.write_text(json.dumps({"task_size": task_size, "lora_r": 4, "lora_dropout": 0.0}))
     # --cpu-threads as it is: the job must not change the thread count of the test process.
-    argv = ["--model", str(model_dir), "--output-dir", str(out_dir), "--config", str(config),
-            "--cpu-threads", str(torch.get_num_threads()), *FAST, *extra]  # fmt: skip
-    assert main_job.main(argv) == 0
+    return ["--model", str(model_dir), "--output-dir", str(out_dir), "--config", str(config),
+            "--cpu-threads", str(threads or torch.get_num_threads()), *FAST, *extra]  # fmt: skip
+
+
+def run(model_dir, out_dir, *extra, task_size=16):
+    assert main_job.main(job_argv(model_dir, out_dir, *extra, task_size=task_size)) == 0
+
+
+def logged_steps(out_dir):
+    return [json.loads(line)["step"] for line in (out_dir / "train_log.jsonl").read_text().splitlines()]
 
 
 def adapter_weights(out_dir):
@@ -80,28 +93,121 @@ def test_job_trains_and_writes_adapter_plot_and_logs(model_dir, tmp_path, capsys
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
 
-def test_resume_continues_and_matches_an_uninterrupted_run(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def three_steps(model_dir, tmp_path_factory):
+    """The adapter after 3 uninterrupted steps."""
+    full = tmp_path_factory.mktemp("full") / "run"
+    run(model_dir, full, "--task", "chain_sum", "--max-steps", "3", "--no-compile")
+    return adapter_weights(full)
+
+
+def assert_equal_weights(expected, resumed):
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name
+
+
+def test_resume_continues_and_matches_an_uninterrupted_run(model_dir, three_steps, tmp_path):
     """2 steps, then --resume to 3, gives bit-identical adapter weights to 3 steps in one go.
 
     Exact because a resumed Trainer restores the adapter, AdamW state, scheduler and the global RNG
     states (python, numpy, torch) saved with the checkpoint, and the prompt order comes from a
     seeded sampler; the schedule is constant, so stopping at step 2 changes no learning rate.
     """
-    full, split = tmp_path / "full", tmp_path / "split"
-    run(model_dir, full, "--task", "chain_sum", "--max-steps", "3", "--no-compile")
+    split = tmp_path / "split"
     run(model_dir, split, "--task", "chain_sum", "--max-steps", "2", "--no-compile")
     first_half = adapter_weights(split)
     run(model_dir, split, "--task", "chain_sum", "--max-steps", "3", "--no-compile", "--resume")
 
     state = json.loads((split / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
-    steps = [json.loads(line)["step"] for line in (split / "train_log.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3], "the resumed run must start at step 3, not redo steps 1-2"
-    expected, resumed = adapter_weights(full), adapter_weights(split)
-    assert expected.keys() == resumed.keys()
+    assert logged_steps(split) == [1, 2, 3], "the resumed run must start at step 3, not redo steps 1-2"
+    resumed = adapter_weights(split)
     assert any(not torch.equal(first_half[k], resumed[k]) for k in resumed), "step 3 did not train"
-    for name in expected:
-        assert torch.equal(expected[name], resumed[name]), name
+    assert_equal_weights(three_steps, resumed)
+
+
+def test_resume_skips_a_truncated_checkpoint_and_still_matches_an_uninterrupted_run(model_dir, three_steps, tmp_path):
+    """The newest checkpoint's adapter cut in half (a full disk, a kill while saving): --resume warns with the file
+    and the reason, resumes from the checkpoint before it, replaces the damaged one and ends where 3 steps in one go
+    end; the log holds each step once."""
+    split = tmp_path / "split"
+    run(model_dir, split, "--task", "chain_sum", "--max-steps", "2", "--no-compile")
+    adapter = split / "checkpoint-2" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[: adapter.stat().st_size // 2])
+    with pytest.warns(checkpoints.UnloadableCheckpointWarning,
+                      match=r"skipping checkpoint-2.*adapter_model.safetensors: SafetensorError"):
+        run(model_dir, split, "--task", "chain_sum", "--max-steps", "3", "--no-compile", "--resume")
+    assert logged_steps(split) == [1, 2, 3]
+    assert checkpoints.checkpoint_problem(split / "checkpoint-2") is None
+    assert_equal_weights(three_steps, adapter_weights(split))
+
+
+# `fastgrpo train` whose every step first sleeps 2 s: two Ctrl-C sent a few ms apart land inside one step.
+SLOW_STEPS = """
+import sys, time
+from fastgrpo.integrations.trl import GRPOTrainer
+step = GRPOTrainer.training_step
+GRPOTrainer.training_step = lambda self, *args, **kwargs: (time.sleep(2), step(self, *args, **kwargs))[1]
+from fastgrpo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _launch(model_dir, out_dir, stderr, slow=False):
+    """The job as a user starts it (`python -m fastgrpo train`), steps until stopped, no checkpoint of its own."""
+    argv = job_argv(model_dir, out_dir, "--task", "chain_sum", "--no-compile", "--max-steps", "1000", "--save-steps",
+                    "1000", threads=1)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, *(["-c", SLOW_STEPS] if slow else ["-m", "fastgrpo"]), "train", *argv]
+    return argv, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+
+
+def _after_first_step(proc, out_dir, err_path):
+    deadline = time.monotonic() + 300
+    while not (out_dir / "train_log.jsonl").exists() or not (out_dir / "train_log.jsonl").read_text():
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_saves_at_the_step_end_prints_the_resume_command_and_that_command_resumes(model_dir, tmp_path):
+    out, err_path = tmp_path / "run", tmp_path / "stderr.txt"
+    with err_path.open("w") as err:
+        argv, proc = _launch(model_dir, out, err)
+        try:
+            _after_first_step(proc, out, err_path)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 130, err_path.read_text()[-3000:]
+        finally:
+            proc.kill()
+    stderr = err_path.read_text()
+    assert "Ctrl-C: finishing this step, then saving a checkpoint" in stderr and "Traceback" not in stderr
+    stopped = logged_steps(out)[-1]
+    assert checkpoints.newest_loadable_checkpoint(out) == str(out / f"checkpoint-{stopped}")
+    command = shlex.split(stderr.split("resume with:\n", 1)[1].splitlines()[0])
+    assert command == ["fastgrpo", "train", *argv, "--resume"]
+    resumed = command[2:] + ["--max-steps", str(stopped + 1), "--cpu-threads", str(torch.get_num_threads())]
+    assert main_job.main(resumed) == 0
+    assert logged_steps(out) == list(range(1, stopped + 2))
+
+
+def test_a_second_ctrl_c_stops_at_once(model_dir, tmp_path):
+    out, err_path = tmp_path / "run", tmp_path / "stderr.txt"
+    with err_path.open("w") as err:
+        _, proc = _launch(model_dir, out, err, slow=True)
+        try:
+            _after_first_step(proc, out, err_path)
+            proc.send_signal(signal.SIGINT)
+            while "Ctrl-C again stops at once" not in err_path.read_text():
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 130, err_path.read_text()[-3000:]
+        finally:
+            proc.kill()
+    stderr = err_path.read_text()
+    assert "fastgrpo train: stopped (Ctrl-C)" in stderr and "Traceback" not in stderr and "resume with" not in stderr
+    assert all(checkpoints.checkpoint_problem(c) is None for c in checkpoints.checkpoints_newest_first(out))
 
 
 def test_dataset_file_and_config_precedence(model_dir, tmp_path):

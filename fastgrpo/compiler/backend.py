@@ -15,8 +15,8 @@ from torch import fx
 from fastgrpo.compiler.cache import recovering, tagged_cache_keys
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report, publish
-from fastgrpo.passes import PASSES, autocast
-from fastgrpo.passes._fx import all_graph_modules, error_summary
+from fastgrpo.passes import PASSES, autocast, linear_forms
+from fastgrpo.passes._fx import all_graph_modules, error_summary, is_kind
 
 
 def _kernels_used(example_inputs) -> str:
@@ -31,18 +31,23 @@ class PassFailedWarning(UserWarning):
     it as not accelerated with the error."""
 
 
-def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
-    """Runs one pass on one graph, through the contract stated in passes/__init__.py. If it raises, the graph is put
-    back as it was before the pass (a copy of the nodes; example values are shared, not copied), the sites it
-    recorded there are dropped and the error is reported and warned about. A bug in one pattern then costs that
-    pattern on that graph, not the user's run."""
-    before, sites = copy.deepcopy(sub.graph), len(record.sites)
+def _copy_graph(sub: fx.GraphModule) -> fx.Graph:
+    """A copy of the graph's nodes to put back (example values are shared, not copied)."""
+    before = copy.deepcopy(sub.graph)
     for node, copied in zip(sub.graph.nodes, before.nodes):
         # What Dynamo sets on a node besides its meta (a placeholder's source), which a copy leaves out; a Node's
         # own fields (in its __dict__ on torches whose Node is plain Python) are the copy's already.
         for key, attribute in vars(node).items():
             if key not in vars(copied):
                 setattr(copied, key, attribute)
+    return before
+
+
+def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
+    """Runs one pass on one graph, through the contract stated in passes/__init__.py. If it raises, the graph is put
+    back as it was before the pass, the sites it recorded there are dropped and the error is reported and warned about. A bug in one pattern then costs that
+    pattern on that graph, not the user's run."""
+    before, sites = _copy_graph(sub), len(record.sites)
     try:
         PASSES[name].apply(sub, record, opts)
     except Exception as error:
@@ -52,6 +57,21 @@ def _apply_pass(name: str, sub: fx.GraphModule, record, opts: Options) -> None:
         record.miss("(whole graph)", f"{reason}; this graph compiles without this pattern")
         warnings.warn(f"fastgrpo: pattern {name!r} {reason}. The graph compiles without it (see "
                       "fastgrpo.fusion_reports()); please report this with the model's name.", PassFailedWarning,
+                      stacklevel=2)
+
+
+def _write_linears(sub: fx.GraphModule) -> None:
+    """Matmul and einsum spellings of a linear written as `F.linear` (passes/linear_forms.py); should that raise,
+    the graph is put back as it was and the patterns see those products as written, with a warning."""
+    if not any(is_kind(node, "matmul", "addmm", "einsum") for node in sub.graph.nodes):
+        return
+    before = _copy_graph(sub)
+    try:
+        linear_forms.apply(sub)
+    except Exception as error:
+        sub.graph = before
+        warnings.warn(f"fastgrpo: reading matmuls as linears raised {error_summary(error)}; this graph's patterns "
+                      "see them as written. Please report this with the model's name.", PassFailedWarning,
                       stacklevel=2)
 
 
@@ -82,6 +102,9 @@ def fastgrpo_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None
     """Registered as `torch.compile(..., backend="fastgrpo")` through the `torch_dynamo_backends` entry point."""
     opts = Options.parse(options)
     report = new_report(_kernels_used(example_inputs), opts.inner)
+    if opts.patterns:
+        for sub in all_graph_modules(gm):
+            _write_linears(sub)
     ambient = autocast.ambient_autocast(example_inputs)
     if ambient is not None and opts.patterns:
         device, to = ambient

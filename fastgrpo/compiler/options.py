@@ -1,6 +1,10 @@
 """Options of the fastgrpo backend: `torch.compile(m, backend="fastgrpo", options={...})`."""
+import difflib
+import json
+import typing
 from dataclasses import dataclass, field, fields
 
+from fastgrpo.errors import UserError
 from fastgrpo.passes import PASSES
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -48,19 +52,22 @@ class Options:
                 # The backend sees one graph at a time; offloading wraps the model's layers.
                 hint = ("; offload_checkpointing acts on the model's layers, not on a graph: use "
                         "fastgrpo.compile_repeated_blocks(model, offload_checkpointing=True)")
-            raise ValueError(
+            close = [m for name in unknown for m in difflib.get_close_matches(name, valid, n=1)]
+            hint += f"; did you mean {' or '.join(close)}?" if close else ""
+            raise UserError(
                 f"unknown fastgrpo backend option(s) {unknown}; valid options are {sorted(valid)}{hint}"
             )
+        _check_types(cls, options)
         if "patterns" in options:
             patterns = options["patterns"]
             if isinstance(patterns, str):
                 patterns = (patterns,)
             bad = sorted(set(patterns) - set(PASSES))
             if bad:
-                raise ValueError(f"unknown fastgrpo pattern(s) {bad}; known patterns are {list(PASSES)}")
+                raise UserError(f"unknown fastgrpo pattern(s) {bad}; known patterns are {list(PASSES)}")
             options["patterns"] = tuple(p for p in PASSES if p in patterns)
         if options.get("inner", "inductor") not in INNER_COMPILERS:
-            raise ValueError(
+            raise UserError(
                 f"fastgrpo option inner={options['inner']!r}; choose one of {list(INNER_COMPILERS)}"
             )
         return cls(**options)
@@ -107,3 +114,40 @@ def training_options(options: dict | None, *, device_type: str, checkpointing: b
     else:
         form = {"absorb_mlp_projections": False}
     return {**form, **(options or {})}
+
+
+_TYPE_NAMES = {bool: "true or false", type(None): "null (None)", str: "a string", dict: "a mapping"}
+
+
+def _check_types(cls, options: dict) -> None:
+    """Each option's value of the type its field declares (bool options take booleans only, not 1 or "yes")."""
+    for f in fields(cls):
+        if f.name not in options:
+            continue
+        value = options[f.name]
+        if f.name == "patterns":
+            allowed = isinstance(value, str) or isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value)
+            expected = "a pattern name or a list of them"
+        else:
+            types = typing.get_args(f.type) or (f.type,)
+            allowed = isinstance(value, types)
+            expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+        if not allowed:
+            raise UserError(f"fastgrpo option {f.name}={value!r}; it takes {expected}")
+
+
+def checked_options(options: dict | str | None, source: str) -> dict | None:
+    """`options` (a mapping, or a JSON object as text), checked with `Options.parse` where they enter (a config,
+    a command line) rather than when the first graph compiles; a `UserError` naming `source` otherwise."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{source}: {options!r} is not a JSON object ({error})") from None
+    if options is not None and not isinstance(options, dict):
+        raise UserError(f"{source}: expected a mapping of backend options, got {options!r}")
+    try:
+        Options.parse(options)
+    except UserError as error:
+        raise UserError(f"{source}: {error}") from None
+    return options

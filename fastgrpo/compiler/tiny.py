@@ -2,6 +2,8 @@
 import torch
 import transformers
 
+from fastgrpo.errors import UserError
+
 # Small sizes that every decoder-only config accepts; head_dim 32 keeps vLLM's CPU attention happy.
 _SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -16,7 +18,7 @@ def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     try:
         return transformers.AutoConfig.for_model(model_type, **(_SMALL | overrides))
     except ValueError as err:
-        raise ValueError(f"unknown architecture {arch!r}: give a transformers model_type such as llama, qwen3, gemma2") from err
+        raise UserError(f"unknown architecture {arch!r}: give a transformers model_type such as llama, qwen3, gemma2") from err
 
 
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, lora: bool = False, seed: int = 0, **overrides):

@@ -5,11 +5,15 @@ layers, reasoning-gym's chain_sum with one-digit terms, partial-credit rewards (
 
     fastgrpo train                                       # the defaults
     fastgrpo train --model ./my-model --dataset prompts.jsonl --max-steps 100 --output-dir runs/a
-    fastgrpo train --config grpo.yaml --resume           # continue from the last checkpoint in --output-dir
+    fastgrpo train --config grpo.yaml --resume           # continue from the newest checkpoint in --output-dir
 
 Precedence: built-in defaults < `--config` file (GRPOConfig fields and the job keys below) < flags.
 Writes into --output-dir: checkpoint-N/ (every --save-steps), adapter/ (final LoRA adapter and
 tokenizer), train_log.jsonl (one line per logged step), reward_curve.png.
+
+Faults: a checkpoint directory appears only once complete; --resume takes the newest checkpoint that loads (a
+damaged one is skipped with a warning naming the file). Ctrl-C saves a checkpoint at the end of the step under
+way, prints the command that resumes and exits with status 130; a second Ctrl-C stops at once.
 """
 from __future__ import annotations
 
@@ -18,13 +22,17 @@ import dataclasses
 import json
 import math
 import os
-import re
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from fastgrpo.compiler.options import checked_options
+from fastgrpo.errors import MissingPathError, UserError
+from fastgrpo.integrations import checkpoints
 
 
 def trainer_classes():
@@ -121,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or 'off'",
     )
     p.add_argument("--no-compile", action="store_true", help="run the policy eagerly instead of through the fastgrpo backend")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --output-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir that loads")
     p.add_argument(
         "--cpu-threads",
         type=int,
@@ -146,27 +154,39 @@ def choose_cpu_threads(requested: int | None) -> int:
 
 
 def _read_config_file(path: str) -> dict:
+    if not Path(path).is_file():
+        raise MissingPathError(f"--config {path!r} does not exist")
     text = Path(path).read_text()
     if path.endswith((".yaml", ".yml")):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise UserError(f"{path}: YAML syntax error{where}: {getattr(error, 'problem', None) or error}; "
+                            "fix the file") from error
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: JSON syntax error: {error}; fix the file (a .yaml or .yml name reads it as "
+                            "YAML)") from error
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+        raise UserError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     return data
 
 
 def _parse_backend_options(text: str) -> dict:
     text = text.strip()
     if text.startswith("{"):
-        return json.loads(text)
+        return checked_options(text, "--backend-options")
     options = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--backend-options: expected key=value, got {item!r}")
+            raise UserError(f"--backend-options: expected a JSON object or key=value,..., got {item!r}")
         try:
             options[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -182,7 +202,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict, dict]:
         from_file = _read_config_file(args.config)
         unknown = sorted(set(from_file) - grpo_fields - set(JOB_KEYS))
         if unknown:
-            raise ValueError(f"{args.config}: unknown keys {unknown} (not GRPOConfig fields nor job keys {list(JOB_KEYS)})")
+            raise UserError(f"{args.config}: unknown keys {unknown} (not GRPOConfig fields nor job keys {list(JOB_KEYS)})")
         if from_file.get("dataset") is not None:
             merged["task"] = None
         merged.update(from_file)
@@ -196,6 +216,8 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict, dict]:
         merged["dataset"] = None
     if args.backend_options:
         merged["fastgrpo_compile_options"] = _parse_backend_options(args.backend_options)
+    source = "--backend-options" if args.backend_options else f"{args.config}: fastgrpo_compile_options"
+    merged["fastgrpo_compile_options"] = checked_options(merged.get("fastgrpo_compile_options"), source)
     if merged.get("fastgrpo_compile_options") is None and not torch.cuda.is_available():
         # On CPU the rewritten decoder-layer graph runs as it is (inner "eager": fastgrpo's ops, no AOTAutograd),
         # the gated MLP as act_mul: inductor's cold compile of a layer takes minutes on the 2-core machine and
@@ -205,23 +227,33 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict, dict]:
         merged["fastgrpo_compile_options"] = {"inner": "eager", "absorb_mlp_projections": False}
     if args.no_compile:
         merged["fastgrpo_compile"] = False
+    if not torch.cuda.is_available():
+        # Launched as several processes (accelerate launch / torchrun), accelerate joins them into one gloo job
+        # only when told the run is on CPU; otherwise each process trains alone on a copy of the data.
+        merged.setdefault("use_cpu", True)
     job = {key: merged.pop(key) for key in JOB_KEYS}
     if job["dataset"] is None and job["task"] is None:
-        raise ValueError("give --task or --dataset")
+        raise UserError("give --task or --dataset")
+    _check_inputs(job)
     return job, merged
 
 
-def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The highest checkpoint-N that was written completely (its trainer_state.json exists)."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    steps = []
-    for child in root.iterdir():
-        match = re.fullmatch(r"checkpoint-(\d+)", child.name)
-        if match and (child / "trainer_state.json").exists():
-            steps.append((int(match.group(1)), child))
-    return str(max(steps)[1]) if steps else None
+def _check_inputs(job: dict) -> None:
+    """The model, dataset and task named exist: a UserError before anything loads otherwise."""
+    from fastgrpo.integrations.models import SMOLLM2_ALIASES, resolve_model_path
+    from fastgrpo.integrations.tasks import check_task
+
+    if job["model"] is not None and str(job["model"]) not in SMOLLM2_ALIASES:
+        resolve_model_path(job["model"])
+    if job["dataset"] is not None and not Path(job["dataset"]).expanduser().exists():
+        raise MissingPathError(f"--dataset {job['dataset']!r} does not exist")
+    if job["task"] is not None:
+        check_task(job["task"])
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command line that continues this run from its newest checkpoint."""
+    return shlex.join(["fastgrpo", "train", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 def peak_memory_gib() -> float:
@@ -311,6 +343,7 @@ def plot_reward_curve(log_history: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     job, train_kwargs = resolve_settings(args)
     wall_start = time.perf_counter()
@@ -321,17 +354,24 @@ def main(argv: list[str] | None = None) -> int:
     from fastgrpo.integrations.models import load_model_and_tokenizer
     from fastgrpo.integrations.tasks import load_prompt_dataset, make_task_dataset, reward_functions
 
+    GRPOConfig, GRPOTrainer = trainer_classes()
+    try:
+        config = GRPOConfig(**train_kwargs)  # checked before anything loads
+    except UserError:
+        raise
+    except ValueError as error:  # TRL's and transformers' checks of the values
+        raise UserError(f"config: {error}") from error
     if not torch.cuda.is_available():
         threads = choose_cpu_threads(args.cpu_threads)
         print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
-        # Launched as several processes (accelerate launch / torchrun), accelerate joins them into one gloo job
-        # only when told the run is on CPU; otherwise each process trains alone on a copy of the data.
-        train_kwargs.setdefault("use_cpu", True)
     output_dir = Path(train_kwargs["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
-    resume_from = last_checkpoint(output_dir) if args.resume else None
+    resume_from = checkpoints.newest_loadable_checkpoint(output_dir) if args.resume else None
     if args.resume and resume_from is None:
-        print(f"--resume: no checkpoint in {output_dir}, starting from scratch", file=sys.stderr)
+        print(f"--resume: no checkpoint in {output_dir} that loads, starting from scratch", file=sys.stderr)
+    if args.resume:  # the steps past the checkpoint are run and logged again
+        step = json.loads((Path(resume_from) / "trainer_state.json").read_text())["global_step"] if resume_from else 0
+        checkpoints.drop_log_lines_after(output_dir / "train_log.jsonl", step)
 
     # bf16 weights on a GPU (as TRL's dtype="auto" loads hub checkpoints): generation, which runs in the
     # weights' dtype, and the frozen base both get the fast path; LoRA weights stay fp32 (PEFT upcasts them).
@@ -349,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         target_modules=job["lora_target_modules"],
         task_type="CAUSAL_LM",
     )
-    GRPOConfig, GRPOTrainer = trainer_classes()
-    config = GRPOConfig(**train_kwargs)
     set_seed(config.seed)  # before the trainer builds the LoRA layers, so their init follows --seed
     trainer = GRPOTrainer(
         model=model,
@@ -359,10 +397,19 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora,
-        callbacks=[_job_callback()(output_dir / "train_log.jsonl")],
+        callbacks=[_job_callback()(output_dir / "train_log.jsonl"), interrupt := checkpoints.GracefulInterrupt()],
     )
     trainer.remove_callback(PrinterCallback)  # the job's own bar and step lines replace its raw dicts
-    trainer.train(resume_from_checkpoint=resume_from)
+    with interrupt:
+        trainer.train(resume_from_checkpoint=resume_from)
+    if interrupt.stopped:
+        if trainer.is_world_process_zero():
+            saved = output_dir / f"checkpoint-{trainer.state.global_step}"
+            print(f"stopped by Ctrl-C after step {trainer.state.global_step}, saved in {saved}; resume with:\n  "
+                  f"{_resume_command(argv)}", file=sys.stderr)
+        trainer.accelerator.wait_for_everyone()
+        trainer.accelerator.end_training()
+        return 130
 
     adapter_dir = output_dir / "adapter"
     trainer.save_model(str(adapter_dir))  # every process: under FSDP/DeepSpeed saving gathers the shards

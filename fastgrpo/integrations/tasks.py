@@ -16,6 +16,8 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset, load_from_disk
 
+from fastgrpo.errors import MissingPathError, UserError
+
 # reasoning-gym dataset name -> generator settings that keep the task within a 135M model's reach.
 TASKS: dict[str, dict] = {
     "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
@@ -35,6 +37,7 @@ def make_task_dataset(task: str = DEFAULT_TASK, size: int = 512, seed: int = 0, 
     """
     import reasoning_gym
 
+    check_task(task)
     options = {**TASKS.get(task, {}), **task_options}
     entries = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
     rows = [
@@ -50,6 +53,23 @@ def make_task_dataset(task: str = DEFAULT_TASK, size: int = 512, seed: int = 0, 
     return Dataset.from_list(rows)
 
 
+def check_task(task: str) -> None:
+    """A `UserError` naming the closest reasoning-gym tasks unless `task` is one."""
+    import difflib
+
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as error:
+        raise UserError(f"--task needs the pip package reasoning-gym ({error}): pip install reasoning-gym, or give "
+                        "--dataset") from error
+
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UserError(f"--task {task!r} is not a reasoning-gym task; {hint}python -c 'import reasoning_gym.factory "
+                        "as f; print(sorted(f.DATASETS))' lists them (or give --dataset)")
+
+
 def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
     """A local dataset with a "prompt" column: a `save_to_disk` directory, or a .json/.jsonl/.csv/.parquet file."""
     path = Path(path).expanduser()
@@ -57,17 +77,17 @@ def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
         dataset = load_from_disk(str(path))
         if hasattr(dataset, "keys"):  # a DatasetDict: train on its "train" split
             if "train" not in dataset:
-                raise ValueError(f"{path} holds splits {list(dataset)}; it needs a 'train' split")
+                raise UserError(f"{path} holds splits {list(dataset)}; it needs a 'train' split")
             dataset = dataset["train"]
     elif path.is_file():
         kind = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
-            raise ValueError(f"{path}: use a .json, .jsonl, .csv or .parquet file, or a save_to_disk directory")
+            raise UserError(f"{path}: use a .json, .jsonl, .csv or .parquet file, or a save_to_disk directory")
         dataset = load_dataset(kind, data_files=str(path), split="train")
     else:
-        raise FileNotFoundError(f"--dataset {str(path)!r} does not exist")
+        raise MissingPathError(f"--dataset {str(path)!r} does not exist")
     if "prompt" not in dataset.column_names:
-        raise ValueError(f"{path} has columns {dataset.column_names}; a 'prompt' column is required")
+        raise UserError(f"{path} has columns {dataset.column_names}; a 'prompt' column is required")
     return dataset
 
 

@@ -39,6 +39,11 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
                aten.matmul.default, aten.mm.default, aten.bmm.default),
     "addmm": (torch.addmm, torch.Tensor.addmm, aten.addmm.default),
     "baddbmm": (torch.baddbmm, torch.Tensor.baddbmm, aten.baddbmm.default),
+    "einsum": (torch.einsum, aten.einsum.default),
+    "t": (torch.t, torch.Tensor.t, aten.t.default),
+    "transpose": (torch.transpose, torch.swapaxes, torch.swapdims, torch.Tensor.transpose, torch.Tensor.swapaxes,
+                  torch.Tensor.swapdims, aten.transpose.int),
+    "permute": (torch.permute, torch.Tensor.permute, aten.permute.default),
     "silu": (F.silu, aten.silu.default),
     "relu": (F.relu, torch.relu, torch.Tensor.relu, aten.relu.default),
     "sigmoid": (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, aten.sigmoid.default),
@@ -70,7 +75,7 @@ _SPELLINGS: dict[str, tuple[Any, ...]] = {
 # `call_method` names -> kind (casts all map to "cast": the dtype is read off the node's value).
 _METHODS = {name: name for name in _SPELLINGS} | {
     "reshape": "view", "to": "cast", "float": "cast", "type_as": "cast", "half": "cast", "bfloat16": "cast", "type": "cast",
-    "mm": "matmul", "bmm": "matmul", "__matmul__": "matmul",
+    "mm": "matmul", "bmm": "matmul", "__matmul__": "matmul", "swapaxes": "transpose", "swapdims": "transpose",
     "__mul__": "mul", "__add__": "add", "__radd__": "add", "__rmul__": "mul", "__truediv__": "div",
 }
 _FUNCTIONS = {fn: kind for kind, fns in _SPELLINGS.items() for fn in fns}
@@ -233,8 +238,8 @@ def error_summary(error: Exception, limit: int = 300) -> str:
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:
-    """Erase the replaced pattern nodes, last first, skipping any still read elsewhere."""
-    for node in reversed(list(nodes)):
+    """Erase the replaced pattern nodes, last first, skipping any still read elsewhere (or listed twice)."""
+    for node in reversed(list(dict.fromkeys(nodes))):
         if node.graph is graph and not node.users:
             graph.erase_node(node)
 

@@ -134,7 +134,9 @@ def _trace_head(z: fx.Node) -> _Head:
                 post_scale *= factor
         else:
             stopped = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
-            raise Miss(f"log-softmax input does not come from a linear (stopped at {stopped})")
+            hint = ("; a product is a linear only against a transposed [out, in] weight: h @ W.t(), einsum('...d,vd->...v')"
+                    if is_kind(node, "matmul", "einsum", "addmm") else "")
+            raise Miss(f"log-softmax input does not come from a linear (stopped at {stopped}{hint})")
         if len(node.users) != 1:
             raise Miss("the full logits are used elsewhere (e.g. returned to the caller)")
 

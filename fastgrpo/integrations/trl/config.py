@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 
+from fastgrpo.compiler.options import checked_options
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.integrations.trl.sizing import CPU_LOGPROB_CHUNK, CPU_MINI_BATCH
@@ -190,8 +191,7 @@ class GRPOConfig(TRLGRPOConfig):
                 "fastgrpo_offload_checkpointing=True is a form of gradient checkpointing; set gradient_checkpointing=True "
                 "(TRL's default) or turn the offloading off."
             )
-        if isinstance(self.fastgrpo_compile_options, str):
-            self.fastgrpo_compile_options = json.loads(self.fastgrpo_compile_options)
+        self.fastgrpo_compile_options = checked_options(self.fastgrpo_compile_options, "fastgrpo_compile_options")
         if isinstance(self.fastgrpo_vllm_kwargs, str):
             self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
         if self.use_vllm and (error := vllm_import_error()) is not None:

@@ -14,10 +14,12 @@ from fastgrpo.compiler.cache import enable_compile_cache
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.regions import repeated_blocks
+from fastgrpo.integrations.checkpoints import save_checkpoint_atomically
 from fastgrpo.integrations.compile_log import CompileLog, FusionSummary
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.unwrap import causal_lm_of
+from fastgrpo.versions import warn_untested_versions
 from fastgrpo.integrations.trl.config import GRPOConfig
 from fastgrpo.integrations.trl.hooks import (
     FreezeLongLivedObjects,
@@ -36,6 +38,7 @@ class GRPOTrainer(TRLGRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *more_args, **kwargs):
+        warn_untested_versions()
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
@@ -89,6 +92,10 @@ class GRPOTrainer(TRLGRPOTrainer):
         regions = args.fastgrpo_compile and repeated_blocks(causal_lm_of(self.model)) is not None
         needed = reentrant or self._offload_on() or regions
         keep_one_input_require_grads_hook(causal_lm_of(self.model), needed=needed)
+
+    def _save_checkpoint(self, model, trial):
+        """checkpoint-N appears only when complete (fastgrpo.integrations.checkpoints)."""
+        save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
 
     def _offload_checkpointing(self) -> None:
         """Checkpoint the policy's decoder layers with their inputs in host memory.
