@@ -40,12 +40,12 @@ from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, compute_dtype,
 # state-space or convolution mixers) carries state along the sequence and would leak across rows.
 ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
 FLEX_BLOCK_SIZE = 128
-# The share of a padded batch's tokens that packing must drop to pay on CUDA. On the H200 (2026-11-30), GRPO step
-# of the Qwen2.5-1.5B shape with 8 completions all 4096 long behind a 256-token prompt (nothing to drop): padded
-# (cuDNN attention) 774-794 ms, packed (flex_attention) 900 ms, 1.13-1.16x; with completions spread over 10-100 %
-# of 4096 (47 % dropped) packed 480 ms against padded 723 ms. Both packed numbers with flex_attention; with flash's
-# variable-length kernel the spread batch packed took 416 ms against 517 with flex_attention (same call), and the
-# no-padding case was not re-measured (cuDNN's attention on the padded batch is 1.75x flash's at these shapes).
+# The share of a padded batch's tokens that packing must drop to pay on CUDA. `python bench/grpo_step.py --systems
+# fastgrpo,fastgrpo_packed --completions 4096` (H200, Qwen2.5-1.5B shape, 8 completions behind a 256-token prompt):
+# all 4096 long (nothing to drop), padded (cuDNN attention) 774-794 ms against packed (flex_attention) 900 ms; spread
+# over 10-100 % of 4096 (`--spread`, 47 % dropped), packed 480 ms against padded 723 ms; with flash's variable-length
+# kernel instead of flex_attention the spread batch packed took 416 against 517 ms. cuDNN's attention on a padded
+# batch is 1.75x flash's at these shapes, so a batch with little padding stays padded.
 PACK_MIN_SAVED = 0.15
 # Above this many packed tokens the dense-mask mechanism (CPU) refuses: a [T, T] mask would be too big.
 DENSE_MASK_MAX_TOKENS = 8192

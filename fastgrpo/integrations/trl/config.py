@@ -67,8 +67,8 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
     fastgrpo_offload_checkpointing: bool | str = field(
-        # H200, Qwen2.5-1.5B shape, G=8 (bench/bench_offload.py, 2026-11-29): 0.4-0.6 % slower than plain
-        # checkpointing for 2.4 GiB less at 4096 completions and 9.5 GiB less at 16384.
+        # 0.4-0.6 % slower than plain checkpointing for 2.4 GiB less at 4096 completions and 9.5 GiB less at 16384
+        # (`python bench/bench_offload.py`, H200, Qwen2.5-1.5B shape, G=8).
         default="auto",
         metadata={
             "help": "Gradient checkpointing with each decoder layer's input held in pinned host memory (copied on a "
@@ -87,8 +87,8 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
     fastgrpo_freeze_gc: bool = field(
-        # H200, Qwen2.5-1.5B shape (bench/grpo_step.py, 2026-11-29): one full collection stalled a 1024-completion
-        # step by 479 ms (833 ms against 324-382 ms for the other five).
+        # One full collection stalled a 1024-completion step by 479 ms (833 ms against 324-382 ms for the other five
+        # steps; `python bench/grpo_step.py --completions 1024`, H200, Qwen2.5-1.5B shape).
         default=True,
         metadata={
             "help": "After the first optimizer step (compiled code, caches and the model now exist), collect once "
@@ -122,10 +122,10 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
     fastgrpo_packing: bool | str = field(
-        # On by default. H200: the packed GRPO step ran at 1.51x the padded step's tokens/s on a 10-100 % length spread
-        # at 0.77x its memory (2026-11-29), at 0.86x with no padding (2026-11-30, flex_attention both). CPU: the main
-        # job's 10 steps in 138 s against 150-155 s padded, the same rewards (2026-11-30, rows as variable-length
-        # segments).
+        # On by default: the packed GRPO step ran at 1.51x the padded step's tokens/s on a 10-100 % length spread at
+        # 0.77x its memory, at 0.86x with no padding (flex_attention both; `python bench/grpo_step.py --systems
+        # fastgrpo,fastgrpo_packed --spread`, H200). CPU: the main job's 10 steps in 138 s against 150-155 s padded,
+        # the same rewards (`fastgrpo train --max-steps 10`, with and without `fastgrpo_packing: true`).
         default="auto",
         metadata={
             "help": "Run the log-prob forwards (policy, old policy, reference) on each mini-batch's rows packed into "
