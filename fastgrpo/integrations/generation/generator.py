@@ -19,6 +19,7 @@ from torch import nn
 from fastgrpo.integrations.generation.engine import RolloutEngine
 from fastgrpo.integrations.generation.kv import release_caches
 from fastgrpo.integrations.generation.sampling import Sampling
+from fastgrpo.integrations.unwrap import causal_lm_of
 
 
 class GenerationFallbackWarning(UserWarning):
@@ -26,18 +27,12 @@ class GenerationFallbackWarning(UserWarning):
 
 
 def unwrap_for_generation(model: nn.Module) -> nn.Module:
-    """The module whose forward runs the decoder with any LoRA layers active.
-
-    torch.compile wrappers are peeled off (their compiled graph is the training forward), and a PEFT model gives
-    its base model: LoRA lives in the injected layers, the PeftModel wrapper only forwards.
-    """
-    model = getattr(model, "_orig_mod", model)
-    peft_config = getattr(model, "active_peft_config", None)
-    if peft_config is None or not hasattr(model, "get_base_model"):
-        return model
-    if peft_config.is_prompt_learning:
+    """The module whose forward runs the decoder with any LoRA layers active: `causal_lm_of` (wrappers peeled, a PEFT
+    model's base model, whose layers hold the adapters), also peeled of a compile wrapper of its own."""
+    peft_config = getattr(getattr(model, "_orig_mod", model), "active_peft_config", None)
+    if peft_config is not None and peft_config.is_prompt_learning:
         raise NotImplementedError("EmbeddedGenerator supports LoRA-style adapters, not prompt learning")
-    base = model.get_base_model()
+    base = causal_lm_of(model)
     return getattr(base, "_orig_mod", base)
 
 
