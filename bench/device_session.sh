@@ -78,10 +78,15 @@ run_step() {
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
     decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
     # The whole GRPO step (trainer.train(): generation, scoring, update) of fastgrpo's trainer and stock TRL's, one
-    # process each, for each of TRAIN_SHAPES (bench/_harness.py names) and TRAIN_SYSTEMS.
+    # process each, for each of TRAIN_SHAPES (bench/_harness.py names) and TRAIN_SYSTEMS (a system named twice runs
+    # twice: the second finds the first's compile cache). TRAIN_ARGS are added to every run (e.g. "--steps 1");
+    # TRAIN_PROFILE=1 writes each run's first-step cProfile next to its output.
     train_step)
+      local n=0
       for shape in ${TRAIN_SHAPES:-qwen2.5-1.5b}; do for system in ${TRAIN_SYSTEMS:-fastgrpo trl}; do
-        step "train_${shape}_${system}" ${TRAIN_CAP:-240} "$OURS" python3 bench/grpo_train_step.py --system $system --shape $shape
+        n=$((n + 1)); local name="train_${n}_${shape}_${system}"
+        step "$name" ${TRAIN_CAP:-240} "$OURS" python3 bench/grpo_train_step.py --system $system --shape $shape \
+          ${TRAIN_ARGS:-} ${TRAIN_PROFILE:+--profile-first $OUT/$name.pstats}
       done; done ;;
     long_run) step long_run ${LONG_RUN_CAP:-200} "$OURS" python3 bench/long_run.py --steps 200 --window 50 --max-completion 768 ;;
     # 2 GPUs (nvidia-h200-x2): DDP throughput of 2 GPUs against one process alone on one GPU, and the 2-GPU tests

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny shape, short rows, fp32)")
     p.add_argument("--table", action="store_true", help="print the rows of this commit from the results file")
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
+    p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
+                   "print its 25 costliest functions by own time and Dynamo's compile-phase times")
     args = p.parse_args(argv)
     if args.tiny:
         args.prompts, args.generations, args.prompt_len, args.completion = 2, 4, 8, 8
@@ -95,10 +97,14 @@ class StepClock:
         trainer._generate_single_turn = timed(trainer._generate_single_turn, "_generation")
         trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "_scored")
 
-    def callback(self):
+    def callback(self, profile_path: str | None = None):
+        import cProfile
+        import pstats
+
         from transformers import TrainerCallback
 
         clock = self
+        profiler = cProfile.Profile() if profile_path else None
 
         class Clock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -106,6 +112,8 @@ class StepClock:
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
                 clock._generation = clock._scored = 0.0
+                if profiler is not None and not clock.steps:
+                    profiler.enable()
                 clock._start = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
@@ -114,6 +122,10 @@ class StepClock:
                 clock.generation.append(clock._generation)
                 clock.scoring.append(clock._scored - clock._generation)
                 clock.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
+                if profiler is not None and len(clock.steps) == 1:
+                    profiler.disable()
+                    profiler.dump_stats(profile_path)
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
         return Clock()
 
@@ -156,8 +168,13 @@ def run(args) -> dict:
                           processing_class=tokenizer, peft_config=lora)
     clock = StepClock(device)
     clock.wrap(trainer)
-    trainer.add_callback(clock.callback())
+    trainer.add_callback(clock.callback(args.profile_first))
     trainer.train()
+    if args.profile_first:
+        from torch._dynamo.utils import compile_times
+
+        print(compile_times(repr="str", aggregate=True))
+    compiled = next((entry for entry in trainer.state.log_history if "compile_s" in entry), {})
     timed = slice(args.warmup, None)
 
     def median(values):
@@ -170,7 +187,10 @@ def run(args) -> dict:
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),
         peak_gib=max(clock.peaks[timed], default=float("nan")), first_step_s=clock.steps[0],
-        first_generation_s=clock.generation[0], fallback=getattr(generator, "fallback", None),
+        first_generation_s=clock.generation[0], first_scoring_s=clock.scoring[0],
+        first_update_s=clock.steps[0] - clock.generation[0] - clock.scoring[0],
+        compile=({k: v for k, v in compiled.items() if k.startswith("compile")} or None),
+        fallback=getattr(generator, "fallback", None),
     )
 
 
