@@ -178,3 +178,19 @@ def test_only_the_most_recent_environments_are_kept(tmp_path):
     (tmp_path / "not-ours").mkdir()
     compile_cache._prune(tmp_path, keep=tmp_path / "current")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["env-0", "env-1", "env-3", "not-ours"]
+
+
+def test_cuda_graphs_skip_the_host_cpu_vector_probe(monkeypatch):
+    """A graph on CUDA compiles its host code (if any) without probing the CPU's vector instructions; a CPU graph
+    and a user's own setting are left alone."""
+    from torch._inductor import config as inductor_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastgrpo.compiler.backend import cpu_vector_probe_off
+
+    with FakeTensorMode():
+        on_cuda = torch.empty(2, device="cuda")
+    assert cpu_vector_probe_off([on_cuda, 3]) == {"cpp.vec_isa_ok": False}
+    assert cpu_vector_probe_off([torch.zeros(2), 3]) == {}
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
+    assert cpu_vector_probe_off([on_cuda]) == {}

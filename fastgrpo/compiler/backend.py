@@ -75,6 +75,23 @@ def _write_linears(sub: fx.GraphModule) -> None:
                       stacklevel=2)
 
 
+def cpu_vector_probe_off(example_inputs) -> dict:
+    """Inductor config for a graph on CUDA: no probing of the host CPU's vector instructions.
+
+    Inductor validates each vector ISA the CPU reports (AMX, AVX-512, AVX2) by compiling a C++ probe and loading it
+    in a child Python process (on torch 2.11 one `import torch` each: ~5 s a probe), once per process, whenever a
+    graph needs C++ (a host-side kernel) or its FX-cache entry is looked up. On an H200 host that was 25-50 s of the
+    first step, cold or warm (`bench/grpo_train_step.py --profile-first`). A CUDA graph's host code, if any, is
+    scalar bookkeeping: it compiles without vector instructions. A user's `TORCHINDUCTOR_VEC_ISA_OK` or
+    `config.cpp.vec_isa_ok` wins."""
+    from torch._inductor import config as inductor_config
+
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    if not on_cuda or inductor_config.cpp.vec_isa_ok is not None:
+        return {}
+    return {"cpp.vec_isa_ok": False}
+
+
 def _inner_compiler(options: Options, mode: str | None):
     if options.inner == "eager":
         return lambda gm, example_inputs: gm.forward
@@ -92,8 +109,9 @@ def _inner_compiler(options: Options, mode: str | None):
     inner = recovering(compile_fx_inner)
 
     def compile(gm, example_inputs):
+        patches = {**cpu_vector_probe_off(example_inputs), **config}
         with tagged_cache_keys():
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile
 

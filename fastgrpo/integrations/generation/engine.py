@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fastgrpo.compiler.backend import cpu_vector_probe_off
 from fastgrpo.integrations.generation.adapters import CompactAdapters
 from fastgrpo.integrations.generation.kv import (
     ATTN_IMPLEMENTATION,
@@ -81,7 +82,11 @@ class _CountingBackend:
                 f"the decode layer compiled {self.compiles} graphs (limit {self.limit}): a value that changes per "
                 "token or per call reaches its guards"
             )
-        return self.inner(gm, example_inputs)
+        # The inductor config a fastgrpo-compiled graph gets on CUDA (no host vector-ISA probes), for any backend.
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(cpu_vector_probe_off(example_inputs)):
+            return self.inner(gm, example_inputs)
 
 
 class EngineMismatch(RuntimeError):
