@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="inductor", help="the decode layer's compile backend (inductor, fastgrpo)")
     p.add_argument("--backend-options", type=json.loads, default=None,
                    help='its options as JSON, e.g. \'{"patterns": ["joined_projections"]}\' for fastgrpo')
+    p.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
+                   help="LoRA layers decoded from merged weights (EmbeddedGenerator's merge_lora)")
+    p.add_argument("--compile-sampling", type=int, default=1, help="0: the decode step's sampling runs eagerly")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
@@ -132,7 +135,8 @@ def main(argv=None):
 
             hook = head.register_forward_hook(raise_eos)
         generator = EmbeddedGenerator(model, pad, [eos if spread else vocab], new, compile_backend=args.backend,
-                                      compile_options=args.backend_options)
+                                      compile_options=args.backend_options, merge_lora=args.merge_lora,
+                                      compile_sampling=bool(args.compile_sampling))
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         torch.manual_seed(0)
         sync()
@@ -157,7 +161,8 @@ def main(argv=None):
         tokens = sum(lengths)
         limit = limit_seconds(decoder, lengths, args.prompt_len)
         row = dict(path="EmbeddedGenerator", backend=args.backend, backend_options=args.backend_options, shape=args.shape, rows=rows, new_tokens=new, spread=spread,
-                   mean_length=tokens / rows, lora=bool(args.lora), prompt_len=args.prompt_len, seconds=seconds,
+                   mean_length=tokens / rows, lora=bool(args.lora), merge_lora=args.merge_lora if args.lora else None,
+                   compile_sampling=bool(args.compile_sampling), prompt_len=args.prompt_len, seconds=seconds,
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,
                    batches=sorted(generator.engine._buffers.batches) if generator.engine else None)
@@ -178,7 +183,8 @@ def main(argv=None):
                        share_of_limit=limit / hf, fallback=None, batches=None)
             rows_out.append(row)
             harness.emit(row)
-    print(f"\n{args.shape}, {dtype}, {device}, LoRA r={args.lora}, prompt {args.prompt_len}\n")
+    print(f"\n{args.shape}, {dtype}, {device}, LoRA r={args.lora} (merge_lora={args.merge_lora}), prompt "
+          f"{args.prompt_len}\n")
     print("| path | rows x new | mean length | first call s | s | tokens/s | limit tokens/s | share |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows_out:

@@ -122,7 +122,8 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 class Step:
-    def __init__(self, model, completion: int, prompt_len: int, generation_compile: bool | None):
+    def __init__(self, model, completion: int, prompt_len: int, generation_compile: bool | None,
+                 merge_lora: str = "float"):
         self.model = model
         self.base = model.get_base_model()
         self.completion = completion
@@ -132,7 +133,8 @@ class Step:
         # An id outside the vocabulary as EOS: never sampled, every row generates exactly `completion` tokens.
         self.pad = 0
         self.generator = EmbeddedGenerator(model, pad_token_id=self.pad, eos_token_ids=[vocab],
-                                           max_new_tokens=completion, compile=generation_compile)
+                                           max_new_tokens=completion, compile=generation_compile,
+                                           merge_lora=merge_lora)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def generate(self) -> list[list[int]]:
@@ -179,7 +181,7 @@ def run(args) -> dict:
     cache = enable_compile_cache(args.compile_cache)  # a second run loads what the first compiled
     start = time.perf_counter()
     model = build_policy(args.tiny, args.offload, inner, device)
-    step = Step(model, completion, prompt_len, generation_compile)
+    step = Step(model, completion, prompt_len, generation_compile, args.merge_lora)
     sync(device)
     build_s = time.perf_counter() - start
     model_bytes = torch.cuda.memory_allocated() if device.type == "cuda" else None
@@ -216,7 +218,7 @@ def run(args) -> dict:
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tiny": args.tiny, "offload": args.offload, "inner": inner,
-        "generation_compile": args.generation_compile, "group": GROUP, "prompt": prompt_len, "completion": completion,
+        "generation_compile": args.generation_compile, "merge_lora": args.merge_lora, "group": GROUP, "prompt": prompt_len, "completion": completion,
         "lora_rank": LORA_RANK, "build_s": round(build_s, 1), "model_bytes": model_bytes,
         "first_step_s": steps[0]["step_s"], "first_step_compile": first_compile.log_fields(),
         "generation_s": statistics.median(s["generation_s"] for s in timed),
@@ -266,6 +268,9 @@ def main() -> int:
                         help="compile the decode step (auto: EmbeddedGenerator's default, CUDA graphs on CUDA)")
     parser.add_argument("--compile-cache", help="persistent compile cache directory, or 'off' (default: fastgrpo's, "
                         "$FASTGRPO_COMPILE_CACHE or ~/.cache/fastgrpo/compile); run twice for the warm first step")
+    parser.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
+                        help="LoRA layers the generator decodes merged ('all' dequantizes the 4-bit bases into a "
+                        "bf16 copy)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU is fine)")
     args = parser.parse_args()
     result = run(args)

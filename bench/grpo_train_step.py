@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny shape, short rows, fp32)")
     p.add_argument("--table", action="store_true", help="print the rows of this commit from the results file")
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
+    p.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
+                   help="fastgrpo: fastgrpo_generation_merge_lora (LoRA layers the generator decodes merged)")
     p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
                    "print its 25 costliest functions by own time and Dynamo's compile-phase times")
     args = p.parse_args(argv)
@@ -159,7 +161,8 @@ def run(args) -> dict:
     if args.system == "fastgrpo":
         from fastgrpo.integrations.trl import GRPOConfig, GRPOTrainer
 
-        config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation))
+        config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation),
+                            fastgrpo_generation_merge_lora=args.merge_lora)
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -183,10 +186,13 @@ def run(args) -> dict:
     generator = getattr(trainer, "_embedded_generator", None)
     return dict(
         system=args.system if args.embedded_generation else f"{args.system}_generate", shape=args.shape,
+        merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),
         peak_gib=max(clock.peaks[timed], default=float("nan")), first_step_s=clock.steps[0],
+        each_step_s=[round(t, 3) for t in clock.steps], each_generation_s=[round(t, 3) for t in clock.generation],
+        each_scoring_s=[round(t, 3) for t in clock.scoring],
         first_generation_s=clock.generation[0], first_scoring_s=clock.scoring[0],
         first_update_s=clock.steps[0] - clock.generation[0] - clock.scoring[0],
         compile=({k: v for k, v in compiled.items() if k.startswith("compile")} or None),

@@ -136,19 +136,31 @@ def test_the_prefill_runs_each_distinct_prompt_once():
     assert len({tuple(row) for row in sampled[:4]}) > 1  # the copies of one prompt sample apart
 
 
-def test_generates_from_the_live_weights_without_copying_them():
+@pytest.mark.parametrize("merge", ["float", "none"])
+def test_generates_from_the_live_weights(merge):
+    """No trained weight is moved or copied stale, and the generator holds nothing weight-sized on the device but its
+    KV cache: merged (the default), the frozen base weights take the adapters in place for the call and get their
+    exact values back afterwards."""
     model = with_lora(tiny_lm("llama"))
     model.train()
     params = dict(model.named_parameters())
     before = {name: (p.data_ptr(), p.requires_grad) for name, p in params.items()}
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10)
+    values = {name: p.detach().clone() for name, p in params.items()}
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10, merge_lora=merge)
     first = generator.generate(prompts(), temperature=0)
 
     assert {name: (p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()} == before
+    for name, p in model.named_parameters():
+        assert torch.equal(p, values[name]), f"{name} not restored bit-exact"
     assert model.training, "training mode must be restored"
-    # The generator holds the model and its KV cache (on the attention modules), nothing weight-sized of its own.
+    assert not any(type(m) is torch.nn.Linear and "lora" not in name and not name.endswith("base_layer")
+                   for name, m in model.named_modules() if "layers" in name), "LoRA layers must be restored"
+    # The generator holds the model and its KV cache (on the attention modules), and the merged copies.
     own = [v for v in vars(generator).values() if isinstance(v, torch.Tensor)]
     assert own == []
+    lora_layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.Linear)]
+    assert len(generator.engine._merged._entries) == (len(lora_layers) if merge == "float" else 0)
+    assert generator.engine._merged.copies == []
     caches = [m._fastgrpo_kv for m in model.modules() if "_fastgrpo_kv" in m.__dict__]
     kv_bytes = sum(t.numel() * t.element_size() for kv in caches for t in kv)
     heads, head_dim, layers, slots = 1, 32, 2, max(PROMPT_LENGTHS) + 10
@@ -164,6 +176,91 @@ def test_generates_from_the_live_weights_without_copying_them():
     model.eval()
     assert second != first
     assert second == hf_greedy(model, prompts(), 10, eos=VOCAB + 1)
+
+
+def test_merged_weights_follow_the_active_adapter_and_its_scale():
+    """Switching adapters (new merged copies) or their weights between calls: each call decodes the active one."""
+    model = with_lora(tiny_lm("qwen2"))
+    torch.manual_seed(5)
+    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"],
+                                               init_lora_weights=False))
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
+    outputs = []
+    for adapter in ["default", "other", "default"]:
+        model.set_adapter(adapter)
+        got = generator.generate(prompts(), temperature=0)
+        assert got == hf_greedy(model, prompts(), 12, eos=VOCAB + 1), adapter
+        outputs.append(got)
+        expected_layers = 14 if adapter == "default" else 4  # all-linear on 2 layers; q_proj and down_proj on 2
+        assert len(generator.engine._merged._entries) == expected_layers
+    assert outputs[0] == outputs[2] != outputs[1]
+
+
+def test_shared_or_trained_bases_merge_into_a_copy_and_written_bases_are_taken_again():
+    """A base weight tied to another module (lm_head and the embedding) or one being trained is never written: it is
+    merged into a device copy. A frozen base written between calls (a loaded checkpoint) is taken again, not
+    restored to its old values."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj", "lm_head"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(tiny_lm("llama"), config)
+    trained = model.base_model.model.model.layers[0].mlp.up_proj.base_layer.weight
+    trained.requires_grad_(True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10)
+    assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 10, eos=VOCAB + 1)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    merged = generator.engine._merged
+    assert len(merged.copies) == 2  # lm_head (tied) and the trained up_proj; the other three in place
+    assert len(merged._entries) == 5
+
+    q_proj = model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight
+    with torch.no_grad():
+        q_proj.mul_(-1.0)
+    written = q_proj.detach().clone()
+    assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 10, eos=VOCAB + 1)
+    assert torch.equal(q_proj, written)
+
+
+def test_a_failing_call_leaves_the_base_weights_exact(monkeypatch):
+    model = with_lora(tiny_lm("qwen2"))
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=10)
+    generator.generate(prompts(), temperature=0)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(generator.engine, "_run", fail)
+    with pytest.warns(GenerationFallbackWarning):
+        generator.generate(prompts(), temperature=0)  # the engine fails mid-call; model.generate finishes it
+    for name, p in model.named_parameters():
+        assert torch.equal(p, values[name]), name
+
+
+def test_layers_that_cannot_merge_decode_unmerged_with_one_warning():
+    """DoRA's merge is not a weight sum: those layers run PEFT's forward (compute-dtype factors), named once."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_dora=True,
+                             init_lora_weights=False)
+    model = peft.get_peft_model(tiny_lm("llama"), config)
+    for name, p in model.named_parameters():  # DoRA starts at the identity; move it off
+        if "lora_magnitude" in name:
+            p.data.mul_(1.5)
+    expected = hf_greedy(model, prompts(), 12, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert generator.generate(prompts(), temperature=0) == expected
+        assert generator.generate(prompts(), temperature=0) == expected
+    notes = [w for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+    assert len(notes) == 1 and "4 with a LoRA variant (DoRA" in str(notes[0].message), [str(w.message) for w in notes]
+    assert generator.engine._merged._entries == []
+
+
+def test_a_bad_merge_mode_is_refused_at_construction():
+    with pytest.raises(ValueError, match="merge_lora must be one of"):
+        EmbeddedGenerator(tiny_lm("llama"), PAD, [EOS], max_new_tokens=4, merge_lora="yes")
 
 
 def test_gradient_checkpointing_and_use_cache_off_are_handled():
@@ -205,12 +302,13 @@ def test_a_callers_autocast_is_turned_off():
     assert model.model.layers[0].self_attn._fastgrpo_kv[0].dtype == torch.float32
 
 
-def test_compiled_decode_layer_traces_as_one_graph_shared_by_every_layer():
+def test_compiled_decode_layer_traces_as_one_graph_shared_by_every_layer(monkeypatch):
     """The decode step's decoder layer (HF layer with LoRA, rollout attention) compiles with fullgraph=True once for
     all layers, also with the embedding hook that training under gradient checkpointing installs, and never again
     for later tokens or calls. The eager backend keeps the test fast: it checks Dynamo's tracing and the results,
     not inductor's code generation."""
     torch._dynamo.reset()
+    monkeypatch.setattr("fastgrpo.integrations.generation.engine.COMPILED_SAMPLING_ROWS", 1)  # sampling compiled too
     model = with_lora(tiny_lm("qwen2"))
     # What TRL/PEFT add for gradient checkpointing: a hook calling requires_grad_ (untraceable) on the embeddings.
     model.enable_input_require_grads()
@@ -222,6 +320,7 @@ def test_compiled_decode_layer_traces_as_one_graph_shared_by_every_layer():
         assert generator.engine.backend.compiles == 1
         assert generator.generate(batch, temperature=0.8, top_k=1) == hf_greedy(model, batch, 10, eos=VOCAB + 1)
     assert generator.engine.backend.compiles == 1
+    assert generator.engine.sampling_backend.compiles == 2  # one graph per sampling setting (greedy, top-k)
 
 
 def test_sampling_filters():
@@ -433,12 +532,13 @@ def test_every_decoder_family_decodes_or_falls_back_with_one_warning(arch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_cuda_graph_decode_matches_model_generate(arch):
+def test_cuda_graph_decode_matches_model_generate(arch, monkeypatch):
     """On CUDA: inductor-compiled layers, the step captured per batch size, the decode attention kernel; the tokens of
     model.generate, also after finished rows drop out to smaller batches."""
     from fastgrpo.compiler.tiny import tiny_model
 
     torch._dynamo.reset()
+    monkeypatch.setattr("fastgrpo.integrations.generation.engine.COMPILED_SAMPLING_ROWS", 1)  # sampling compiled too
     if arch == "gemma3":
         model = tiny_model("gemma3", vocab_size=VOCAB, initializer_range=0.5, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"]).eval()
@@ -462,3 +562,32 @@ def test_cuda_graph_decode_matches_model_generate(arch):
         assert len(stopping.engine._buffers.batches) > 1
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+def test_compiled_sampling_draws_from_the_distribution_also_when_replayed():
+    """The decode step's compiled sampling (inductor's RNG) on CUDA: frequencies of 8192 rows of one distribution
+    match softmax(logits / T) after top-k, and each replay of a captured call draws anew."""
+    from fastgrpo.integrations.generation.sampling import Sampling, sample
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    logits = torch.randn(16, device="cuda").expand(8192, 16).contiguous()
+    setting = Sampling(temperature=0.8, top_k=6)
+    compiled = torch.compile(sample, backend="inductor", fullgraph=True)
+    kept = logits[0].topk(6).indices
+    scaled = logits[0] / 0.8
+    probs = torch.full_like(scaled, float("-inf")).scatter(0, kept, scaled[kept]).softmax(-1)
+    compiled(logits, setting, None)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens, logprobs = compiled(logits, setting, None)
+    draws = []
+    for _ in range(3):
+        graph.replay()
+        draws.append(tokens.clone())
+        frequencies = torch.bincount(tokens, minlength=16).float() / tokens.numel()
+        assert set(tokens.unique().tolist()) <= set(kept.tolist())
+        assert (frequencies - probs).abs().max() < 0.02
+        torch.testing.assert_close(logprobs, (logits / 0.8).log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])

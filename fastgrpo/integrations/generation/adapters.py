@@ -1,4 +1,8 @@
-"""LoRA adapters in the compute dtype while the rollout engine decodes.
+"""LoRA adapters while the rollout engine decodes: merged into their base weights, or else in the compute dtype.
+
+`MergedAdapters` (below) folds each plain LoRA linear into one weight for the duration of a call (in place and
+restored bit-exact, or in a copy). What it leaves (DoRA, bias LoRA, non-Linear bases, quantized bases unless asked)
+runs PEFT's own forward with `CompactAdapters`:
 
 PEFT keeps adapter weights in fp32 beside a bf16 base and casts the input up to them, so with autocast off (the
 engine's setting) every LoRA product of a decode step is an fp32 GEMM. Training runs the same products under bf16
@@ -9,6 +13,7 @@ as autocast runs them, and a captured decode step keeps reading the same copies 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +36,7 @@ class CompactAdapters:
     def __init__(self):
         self._entries: list[tuple[nn.Module, nn.Parameter, nn.Parameter]] = []  # (linear, trained, copy)
         self._key: tuple = ()
+        self.version = 0  # bumped when the copies are new tensors (graphs that read the old ones are stale)
 
     def _build(self, model: nn.Module) -> None:
         entries = []
@@ -49,6 +55,7 @@ class CompactAdapters:
         key = tuple(id(weight) for _, weight, _ in entries)
         if key != self._key:
             self._entries, self._key = entries, key
+            self.version += 1
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
@@ -65,3 +72,177 @@ class CompactAdapters:
         finally:
             for linear, weight, _ in self._entries:
                 linear._parameters["weight"] = weight
+
+
+# ---- merged adapters ---------------------------------------------------------------------------------------------
+
+MERGE_MODES = ("float", "all", "none")
+
+
+def _merge_obstacle(layer: nn.Module, quantized: bool) -> str | None:
+    """Why this LoRA layer's adapters cannot be folded into a copy of its base weight (None: they can)."""
+    base = layer.base_layer
+    weight = getattr(base, "weight", None)
+    if type(weight).__name__ in ("Params4bit", "Int8Params"):
+        if not quantized:
+            return "quantized base (merge_lora='all' merges it into a bf16 copy)"
+    elif type(base) is not nn.Linear:
+        return f"base layer is {type(base).__name__}, not nn.Linear"
+    elif not weight.is_floating_point():
+        return f"base weight of dtype {weight.dtype}"
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
+            return "a LoRA variant (DoRA, ...) whose merge is not a weight sum"
+        if layer.lora_B[name].bias is not None:
+            return "LoRA with a bias"
+    return None
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    return (isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "get_delta_weight")
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
+
+
+@dataclass
+class _Merge:
+    parent: nn.Module
+    name: str
+    layer: nn.Module  # the LoRA layer, put back afterwards
+    linear: nn.Linear  # what decodes in its place: the base layer itself (in place) or a linear over a copy
+    snapshot: torch.Tensor | None = None  # in place: the base weight's values, in host memory
+    version: int = -1  # in place: the base weight's version counter when `snapshot` last matched it
+    written: bool = False  # in place: the weight holds merged values (restore it)
+
+
+class MergedAdapters:
+    """LoRA linears replaced, while the engine decodes, by plain linears whose weight is base + the active adapters'
+    deltas (PEFT's `get_delta_weight`), rounded once to the base's compute dtype. A decode step then runs one GEMM a
+    projection, as a sampler given merged weights does (TRL's vLLM path merges the adapters too); the trainer adds
+    the two in its own order, so sampler and trainer log-probs differ by rounding (logged as the sampler agreement).
+
+    Where the merged weight lives:
+    - in place, for a frozen floating-point base weight no other module shares: its values are kept in (pinned) host
+      memory, taken again only when the weight's version counter says someone wrote it; the deltas are added into
+      it for the call and the host values copied back afterwards (bit-exact; no device memory, one host-to-device
+      copy of those weights a call);
+    - in a persistent device copy, refreshed per call, for a trained or shared base and, with mode "all", a
+      bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives).
+
+    Args:
+        mode: "float" merges layers with a floating-point base; "all" also quantized bases; "none" merges nothing.
+    """
+
+    def __init__(self, mode: str = "float"):
+        if mode not in MERGE_MODES:
+            raise ValueError(f"merge_lora must be one of {MERGE_MODES}, got {mode!r}")
+        self.mode = mode
+        self._entries: list[_Merge] = []
+        self._key: tuple = ()
+        self.not_merged: dict[str, int] = {}  # reason -> LoRA layers left to the adapters' own forward
+        self.version = 0  # bumped when the decoding weights are new tensors (graphs that read the old ones are stale)
+
+    @property
+    def copies(self) -> list[torch.Tensor]:
+        """The device copies held (weights merged out of place)."""
+        return [e.linear.weight for e in self._entries if e.linear is not e.layer.base_layer]
+
+    def release(self) -> None:
+        self._entries, self._key = [], ()
+        self.version += 1
+
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+        targets, not_merged = [], {}
+        for parent in model.modules():
+            for name, child in parent._modules.items():
+                if child is None or not _is_lora_linear(child) or child.disable_adapters or child.merged:
+                    continue
+                if not any(a in child.lora_A for a in child.active_adapters):
+                    continue
+                reason = _merge_obstacle(child, quantized=self.mode == "all")
+                if reason is None:
+                    targets.append((parent, name, child))
+                else:
+                    not_merged[reason] = not_merged.get(reason, 0) + 1
+        self.not_merged = not_merged
+        return targets
+
+    @staticmethod
+    def _copy_linear(layer: nn.Module) -> nn.Linear:
+        base = layer.base_layer
+        weight = base.weight
+        quantized = type(weight).__name__ in ("Params4bit", "Int8Params")
+        dtype = (getattr(base, "compute_dtype", None) or torch.bfloat16) if quantized else weight.dtype
+        device = layer.lora_A[next(iter(layer.lora_A))].weight.device
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=device),
+                                     requires_grad=False)
+        linear.bias = base.bias
+        return linear
+
+    def _entry(self, parent: nn.Module, name: str, layer: nn.Module, shared: set[int]) -> _Merge:
+        base = layer.base_layer
+        weight = base.weight
+        in_place = (type(base) is nn.Linear and type(weight) is nn.Parameter and not weight.requires_grad
+                    and weight.data_ptr() not in shared)
+        if not in_place:
+            return _Merge(parent, name, layer, self._copy_linear(layer))
+        pin = weight.is_cuda and torch.cuda.is_available()
+        return _Merge(parent, name, layer, base, snapshot=torch.empty_like(weight, device="cpu", pin_memory=pin))
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        from peft.utils.integrations import dequantize_module_weight
+
+        for e in self._entries:
+            layer = e.layer
+            if e.snapshot is not None:
+                weight = e.linear.weight
+                if weight._version != e.version:  # new values (first call, or written by someone else)
+                    e.snapshot.copy_(weight, non_blocking=True)
+                total = weight.to(torch.float32)
+            else:
+                total = dequantize_module_weight(layer.base_layer).to(torch.float32)
+            for name in layer.active_adapters:
+                if name in layer.lora_A:
+                    total = total + layer.get_delta_weight(name).to(torch.float32)
+            e.linear.weight.copy_(total)
+            e.written = e.snapshot is not None
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        for e in self._entries:
+            if e.written:
+                weight = e.linear.weight
+                weight.copy_(e.snapshot, non_blocking=True)
+                e.version, e.written = weight._version, False
+
+    @contextlib.contextmanager
+    def swapped(self, model: nn.Module):
+        if self.mode == "none":
+            self.not_merged = {}
+            yield 0
+            return
+        targets = self._targets(model)
+        key = tuple((id(parent), name, id(layer), id(layer.base_layer.weight), tuple(layer.active_adapters))
+                    for parent, name, layer in targets)
+        if key != self._key:
+            counts: dict[int, int] = {}
+            tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+            for _, tensor in tensors:
+                counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
+            shared = {ptr for ptr, n in counts.items() if n > 1}
+            self._entries = []  # the old copies go before the new are allocated
+            self._entries = [self._entry(parent, name, layer, shared) for parent, name, layer in targets]
+            self._key = key
+            self.version += 1
+        try:
+            self._merge()
+            for e in self._entries:
+                e.parent._modules[e.name] = e.linear
+            yield len(self._entries)
+        finally:
+            for e in self._entries:
+                e.parent._modules[e.name] = e.layer
+            self._restore()

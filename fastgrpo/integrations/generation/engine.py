@@ -3,8 +3,10 @@
 One call: a prefill of the left-padded prompts (eager), then one decode step per token. The decode step is the
 model's own forward (any architecture: `kv.py` says how its attention reaches the cache) with
 
+- LoRA adapters merged into their base weights for the call (`adapters.py`): one GEMM a projection;
 - each decoder layer compiled once and shared by every layer of its kind (a layer's cache tensors are its inputs,
   never its index), for the step's pointwise work;
+- the sampling compiled too for large batches (its passes over the logits fused);
 - on CUDA the whole step (embedding, layers, head, sampling, EOS bookkeeping) captured as one CUDA graph per batch
   size and replayed per token: the host only replays and, every few steps, reads how many rows are still running;
 - finished rows dropping out: once at most half of a batch's rows run, the step continues on the next smaller batch
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from fastgrpo.compiler.backend import cpu_vector_probe_off
-from fastgrpo.integrations.generation.adapters import CompactAdapters
+from fastgrpo.integrations.generation.adapters import CompactAdapters, MergedAdapters
 from fastgrpo.integrations.generation.kv import (
     ATTN_IMPLEMENTATION,
     NotRolloutAttention,
@@ -97,6 +99,10 @@ class EngineMismatch(RuntimeError):
 # Largest KL(model's forward || engine) over the checked positions: fp32 agrees to rounding; half precision differs
 # by the order of its sums (attention kernels, LoRA in bf16) but far below what a wrong position or cache gives (>1).
 _MISMATCH_KL = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+# Batches from this many rows sample with the compiled sampling; below it sampling runs eagerly (no compile). At 128
+# rows compiled sampling was 6.5 % faster a call, at 64 no faster (`python bench/bench_generation.py --cases
+# 64x256,128x512 --compile-sampling 0` against the default).
+COMPILED_SAMPLING_ROWS = 128
 # Logit rows the check compares: the prefill's and the first decode steps' (eager on the first call).
 _PROBE_STEPS = 4
 
@@ -107,7 +113,7 @@ class _Batch:
 
     rows: torch.Tensor
     graph: tuple | None = None
-    eager_runs: int = 0
+    warmed: set = field(default_factory=set)  # the samplings this size has run eagerly (compiled, warmed up)
 
 
 @dataclass
@@ -124,6 +130,7 @@ class _Buffers:
     logprobs: torch.Tensor  # [rows, max_new_tokens] fp32: log-prob of each sampled token (temperature applied)
     seen: torch.Tensor | None = None  # [rows, vocab] bool, for the repetition penalty
     batches: dict = field(default_factory=dict)  # size -> _Batch
+    weights: tuple = ()  # the adapter copies' versions the captured graphs read
 
 
 class RolloutEngine:
@@ -139,11 +146,16 @@ class RolloutEngine:
         compile_limit: graphs the compiled layer may compile before the engine gives up (`RecompileStorm`).
         backend_options: the backend's `options` (e.g. the fastgrpo backend's patterns).
         verify: on the first call, check the engine's logits against the model's own forward (`EngineMismatch`).
+        merge_lora: which LoRA layers decode from merged weights (`MergedAdapters`: "float", "all", "none").
+        compile_sampling: compile the decode step's sampling too, for batches of COMPILED_SAMPLING_ROWS rows and
+            more (inductor, or eager when `backend` is "eager"): its passes over the [rows, vocab] logits fuse;
+            default: when the layers compile.
     """
 
     def __init__(self, pad_token_id: int, eos_token_ids: list[int], max_new_tokens: int, *, compile_layers: bool,
                  backend: str, cuda_graphs: bool, pad_to_multiple_of: int, check_every: int, min_batch: int = 8,
-                 compile_limit: int = 8, verify: bool = True, backend_options: dict | None = None):
+                 compile_limit: int = 8, verify: bool = True, backend_options: dict | None = None,
+                 merge_lora: str = "float", compile_sampling: bool | None = None):
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.max_new_tokens = max_new_tokens
@@ -155,12 +167,19 @@ class RolloutEngine:
         self._compiled_layer = (
             torch.compile(_layer_forward, backend=self.backend, fullgraph=True) if compile_layers else None
         )
+        compile_sampling = compile_layers if compile_sampling is None else compile_sampling
+        self.sampling_backend = (
+            _CountingBackend("eager" if backend == "eager" else "inductor", compile_limit) if compile_sampling else None
+        )
+        self._sample = torch.compile(sample, backend=self.sampling_backend, fullgraph=True) if compile_sampling \
+            else sample
         self._verify = verify
         self._probe: list[torch.Tensor] | None = None  # logits kept for the check: prefill's, first step's
         self._buffers: _Buffers | None = None
         self._decoder: nn.Module | None = None
         self._pool = None
         self._adapters = CompactAdapters()
+        self._merged = MergedAdapters(merge_lora)
         self._cache = RolloutCache()
         self.steps = 0  # decode steps run, for tests and logs
 
@@ -172,6 +191,7 @@ class RolloutEngine:
             release_caches(self._decoder)
         self._buffers = None
         self._pool = None
+        self._merged.release()
 
     def _ensure_buffers(self, decoder: nn.Module, rows: int, slots: int, vocab: int, device, penalty: bool) -> _Buffers:
         b = self._buffers
@@ -211,8 +231,12 @@ class RolloutEngine:
         try:
             for config in configs.values():
                 config._attn_implementation = ATTN_IMPLEMENTATION
-            with self._adapters.swapped(decoder), torch.autocast(decoder.device.type, enabled=False), \
-                    rollout_context(state):
+            with self._merged.swapped(decoder), self._adapters.swapped(decoder), \
+                    torch.autocast(decoder.device.type, enabled=False), rollout_context(state):
+                weights = (self._merged.version, self._adapters.version)
+                if self._buffers is not None and self._buffers.weights != weights:
+                    self._buffers.batches.clear()  # graphs captured reading weight copies that are gone
+                    self._buffers.weights = weights
                 yield
         finally:
             for key, config in configs.items():
@@ -360,7 +384,8 @@ class RolloutEngine:
             self._probe.append(logits[self._probe_rows].float().clone())
         seen = b.seen[rows] if b.seen is not None and sampling.repetition_penalty != 1.0 else None
         done = b.finished[rows]
-        tokens, logprobs = sample(logits, sampling, seen)
+        sample_step = self._sample if rows.shape[0] >= COMPILED_SAMPLING_ROWS else sample
+        tokens, logprobs = sample_step(logits, sampling, seen)
         tokens = tokens.masked_fill(done, self.pad_token_id)
         column = (state.length - b.prompt_len).expand(rows.shape[0])
         b.last[rows] = tokens
@@ -381,9 +406,10 @@ class RolloutEngine:
         if batch.graph is not None and batch.graph[0] == sampling:
             batch.graph[1].replay()
             return
-        if batch.eager_runs < 1 or self._probe is not None and len(self._probe) < _PROBE_STEPS:
-            # The first step of a batch size runs eagerly: it compiles and warms up (and feeds the check).
-            batch.eager_runs += 1
+        if sampling not in batch.warmed or self._probe is not None and len(self._probe) < _PROBE_STEPS:
+            # The first step of a batch size and sampling runs eagerly: it compiles and warms up what the capture
+            # records (nothing may compile while a stream captures), and feeds the check.
+            batch.warmed.add(sampling)
             self._step(decoder, batch, b, sampling, eos)
             return
         if self._pool is None:

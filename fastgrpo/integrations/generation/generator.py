@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fastgrpo.integrations.generation.adapters import MergedAdapters
 from fastgrpo.integrations.generation.engine import RolloutEngine
 from fastgrpo.integrations.generation.kv import release_caches
 from fastgrpo.integrations.generation.sampling import Sampling
@@ -71,6 +72,9 @@ class EmbeddedGenerator:
         check_finished_every: decode steps between host reads of how many rows still run; default 16 on CUDA, 1 on
             CPU (where a read costs nothing).
         min_batch: the fewest rows a step runs once finished rows drop out (smaller batches save little).
+        merge_lora: LoRA layers decoded from a merged copy of their weights: "float" (floating-point bases),
+            "all" (bitsandbytes-quantized bases too), "none" (the adapters' own forward). See `MergedAdapters`.
+        compile_sampling: compile the decode step's sampling as well; default: when the layers compile.
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class EmbeddedGenerator:
         pad_to_multiple_of: int | None = None,
         check_finished_every: int | None = None,
         min_batch: int = 8,
+        merge_lora: str = "float",
+        compile_sampling: bool | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -103,6 +109,10 @@ class EmbeddedGenerator:
         self._pad_to_multiple_of = pad_to_multiple_of
         self._check_finished_every = check_finished_every
         self._min_batch = min_batch
+        self._merge_lora = merge_lora
+        self._unmerged_reported = False
+        self._compile_sampling = compile_sampling
+        MergedAdapters(merge_lora)  # a bad mode fails here, not at the first generate
         self.engine: RolloutEngine | None = None
         self.fallback: str | None = None  # None: the engine runs; "eager": uncompiled layers; "generate"
 
@@ -119,6 +129,7 @@ class EmbeddedGenerator:
             cuda_graphs=cuda_graphs and on_cuda,
             pad_to_multiple_of=self._pad_to_multiple_of or (64 if on_cuda else 1),
             check_every=self._check_finished_every or (16 if on_cuda else 1), min_batch=self._min_batch,
+            merge_lora=self._merge_lora, compile_sampling=compiled and self._compile_sampling is not False,
         )
 
     def _fall_back(self, to: str, decoder: nn.Module, error: Exception) -> None:
@@ -170,6 +181,7 @@ class EmbeddedGenerator:
                                                else self.device.type == "cuda")
             try:
                 completion, logprobs = self.engine.generate(decoder, prompts, sampling)
+                self._report_unmerged(decoder)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # noqa: BLE001 - every failure is named in the warning
@@ -186,6 +198,20 @@ class EmbeddedGenerator:
             return ids, None
         logprobs = logprobs.cpu()
         return ids, [logprobs[row, : len(tokens)].tolist() for row, tokens in enumerate(ids)]
+
+    def _report_unmerged(self, decoder: nn.Module) -> None:
+        """One warning naming the LoRA layers that decode through the adapters' own forward, and why."""
+        not_merged = self.engine._merged.not_merged
+        if not not_merged or self._unmerged_reported:
+            return
+        self._unmerged_reported = True
+        reasons = "; ".join(f"{count} with {reason}" for reason, count in not_merged.items())
+        warnings.warn(
+            f"fastgrpo: the rollout engine decodes some LoRA layers of {type(decoder).__name__} with the adapters' own "
+            f"forward (two extra GEMMs each) instead of merged weights: {reasons}.",
+            GenerationFallbackWarning,
+            stacklevel=3,
+        )
 
     def _hf_generate(self, decoder: nn.Module, prompts: list[list[int]], sampling: Sampling
                      ) -> tuple[torch.Tensor, None]:

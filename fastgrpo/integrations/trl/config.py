@@ -106,6 +106,15 @@ class GRPOConfig(TRLGRPOConfig):
             "run falls back to model.generate with one warning."
         },
     )
+    fastgrpo_generation_merge_lora: str = field(
+        default="float",
+        metadata={
+            "help": "Which LoRA layers the embedded generator decodes from a copy of their weights with the adapters "
+            "merged in (one GEMM a projection, as TRL's vLLM path merges them): 'float' (bf16/fp16/fp32 bases; costs "
+            "a copy of those weights while training runs), 'all' (also QLoRA's 4-bit bases, dequantized into the "
+            "copy), 'none' (the adapters' own forward, in the base's dtype)."
+        },
+    )
     fastgrpo_mini_batch: int | str | None = field(
         default="auto",
         metadata={

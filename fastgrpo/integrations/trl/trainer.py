@@ -122,6 +122,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=self.eos_token_ids,
                 max_new_tokens=self.max_completion_length,
+                merge_lora=self.args.fastgrpo_generation_merge_lora,
             )
         # TRL's sampler already repeats each prompt num_generations times in prompt_ids. The sampler's log-probs go
         # back to TRL as vLLM's do (`sampling_per_token_logps`), for the agreement metric and off-policy masking.
