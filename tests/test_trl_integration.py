@@ -368,6 +368,8 @@ def test_defaults_and_precision_overrides(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="fastgrpo_mini_batch"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_mini_batch=0)
+    with pytest.raises(ValueError, match="fastgrpo_generation_merge_lora='yes'; use one of 'float', 'all', 'none'"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_generation_merge_lora="yes")
 
 
 def test_checkpointed_layers_mlp_form(tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trl.trainer.grpo_config import GRPOConfig as TRLGRPOConfig
 
 from fastgrpo.compiler.options import checked_options
+from fastgrpo.integrations.generation.adapters import MERGE_MODES
 from fastgrpo.integrations.precision import precision_flags, resolve_precision
 from fastgrpo.integrations.vllm import vllm_import_error
 from fastgrpo.integrations.trl.sizing import CPU_LOGPROB_CHUNK, CPU_MINI_BATCH
@@ -199,6 +200,11 @@ class GRPOConfig(TRLGRPOConfig):
             raise ValueError(
                 "fastgrpo_offload_checkpointing=True is a form of gradient checkpointing; set gradient_checkpointing=True "
                 "(TRL's default) or turn the offloading off."
+            )
+        if self.fastgrpo_generation_merge_lora not in MERGE_MODES:
+            raise ValueError(
+                f"fastgrpo_generation_merge_lora={self.fastgrpo_generation_merge_lora!r}; use one of "
+                f"{', '.join(repr(m) for m in MERGE_MODES)}"
             )
         self.fastgrpo_compile_options = checked_options(self.fastgrpo_compile_options, "fastgrpo_compile_options")
         if isinstance(self.fastgrpo_vllm_kwargs, str):
