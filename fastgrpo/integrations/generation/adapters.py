@@ -105,15 +105,17 @@ def _is_lora_linear(module: nn.Module) -> bool:
             and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits, by its size in bytes
+
+
 @dataclass
 class _Merge:
     parent: nn.Module
     name: str
     layer: nn.Module  # the LoRA layer, put back afterwards
     linear: nn.Linear  # what decodes in its place: the base layer itself (in place) or a linear over a copy
-    snapshot: torch.Tensor | None = None  # in place: the base weight's values, in host memory
-    version: int = -1  # in place: the base weight's version counter when `snapshot` last matched it
-    written: bool = False  # in place: the weight holds merged values (restore it)
+    in_place: bool = False  # the base weight itself holds the merged values during the call
+    fixes: tuple | None = None  # in place, while merged: (flat indices, original values) the undo would miss
 
 
 class MergedAdapters:
@@ -123,10 +125,11 @@ class MergedAdapters:
     the two in its own order, so sampler and trainer log-probs differ by rounding (logged as the sampler agreement).
 
     Where the merged weight lives:
-    - in place, for a frozen floating-point base weight no other module shares: its values are kept in (pinned) host
-      memory, taken again only when the weight's version counter says someone wrote it; the deltas are added into
-      it for the call and the host values copied back afterwards (bit-exact; no device memory, one host-to-device
-      copy of those weights a call);
+    - in place, for a frozen floating-point base weight no other module shares: W <- round(W + delta) for the call,
+      then W <- round(merged - delta), the same delta computed again (the same deterministic ops on the same
+      inputs). That undo is W itself except where W + delta rounded across a power of two; those elements (found
+      at merge time, when W is known, by comparing bits) and their values are kept and written back. So the base
+      gets its exact bits back with no copy of it anywhere, for a few passes over the weights a call;
     - in a persistent device copy, refreshed per call, for a trained or shared base and, with mode "all", a
       bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives).
 
@@ -185,38 +188,51 @@ class MergedAdapters:
         base = layer.base_layer
         weight = base.weight
         in_place = (type(base) is nn.Linear and type(weight) is nn.Parameter and not weight.requires_grad
-                    and weight.data_ptr() not in shared)
+                    and weight.data_ptr() not in shared and weight.element_size() in _BITS and weight.is_contiguous())
         if not in_place:
             return _Merge(parent, name, layer, self._copy_linear(layer))
-        pin = weight.is_cuda and torch.cuda.is_available()
-        return _Merge(parent, name, layer, base, snapshot=torch.empty_like(weight, device="cpu", pin_memory=pin))
+        return _Merge(parent, name, layer, base, in_place=True)
+
+    @staticmethod
+    def _delta(layer: nn.Module) -> torch.Tensor:
+        """The active adapters' summed delta in fp32, computed the same way at merge and undo (autocast off)."""
+        device = layer.lora_A[next(iter(layer.lora_A))].weight.device
+        total = None
+        with torch.autocast(device.type, enabled=False):
+            for name in layer.active_adapters:
+                if name in layer.lora_A:
+                    delta = layer.get_delta_weight(name).to(torch.float32)
+                    total = delta if total is None else total + delta
+        return total
 
     @torch.no_grad()
     def _merge(self) -> None:
         from peft.utils.integrations import dequantize_module_weight
 
         for e in self._entries:
-            layer = e.layer
-            if e.snapshot is not None:
-                weight = e.linear.weight
-                if weight._version != e.version:  # new values (first call, or written by someone else)
-                    e.snapshot.copy_(weight, non_blocking=True)
-                total = weight.to(torch.float32)
-            else:
-                total = dequantize_module_weight(layer.base_layer).to(torch.float32)
-            for name in layer.active_adapters:
-                if name in layer.lora_A:
-                    total = total + layer.get_delta_weight(name).to(torch.float32)
-            e.linear.weight.copy_(total)
-            e.written = e.snapshot is not None
+            delta = self._delta(e.layer)
+            if not e.in_place:
+                base = dequantize_module_weight(e.layer.base_layer).to(torch.float32)
+                e.linear.weight.copy_(base + delta)
+                continue
+            weight = e.linear.weight
+            merged = (weight.to(torch.float32) + delta).to(weight.dtype)
+            undone = (merged.to(torch.float32) - delta).to(weight.dtype)
+            bits = _BITS[weight.element_size()]
+            missed = torch.nonzero(undone.view(bits).ne(weight.view(bits)).view(-1))[:, 0]
+            e.fixes = (missed, weight.view(-1)[missed].clone())
+            weight.copy_(merged)
 
     @torch.no_grad()
     def _restore(self) -> None:
         for e in self._entries:
-            if e.written:
-                weight = e.linear.weight
-                weight.copy_(e.snapshot, non_blocking=True)
-                e.version, e.written = weight._version, False
+            if e.fixes is None:
+                continue
+            weight = e.linear.weight
+            weight.copy_((weight.to(torch.float32) - self._delta(e.layer)).to(weight.dtype))
+            missed, values = e.fixes
+            weight.view(-1)[missed] = values
+            e.fixes = None
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
