@@ -593,8 +593,9 @@ def test_compiled_sampling_draws_from_the_distribution_also_when_replayed():
     assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_in_place_merge_is_undone_to_the_exact_bits(dtype):
+def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device):
     """W <- round(W + delta), then the undo round(merged - delta) and the kept elements where it misses: every bit
     of W back, including elements whose sum rounded across a power of two (the undo alone gets those wrong), signed
     zeros, and a NaN."""
@@ -610,6 +611,7 @@ def test_in_place_merge_is_undone_to_the_exact_bits(dtype):
         base.weight.view(-1)[:256] = 2.0 ** torch.randint(-3, 3, (256,)).float() * (1 - 2.0 ** -7)  # below a power
         base.weight.view(-1)[256] = -0.0
         base.weight.view(-1)[257] = float("nan")
+    model.to(device)
     base.to(dtype)
     before = base.weight.detach().clone()
     merged = MergedAdapters("float")
