@@ -623,3 +623,32 @@ def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device):
     bits = {2: torch.int16, 4: torch.int32}[before.element_size()]
     assert torch.equal(base.weight.view(bits), before.view(bits))
     assert missed > 0 if dtype != torch.float32 else True  # the kept elements were needed
+
+
+def test_an_undo_that_misses_is_refused_loudly(monkeypatch):
+    """If the delta came out differently at the undo (a nondeterministic GEMM), the bit-sum check says so, naming
+    the fix, instead of leaving the base weight changed in silence."""
+    from fastgrpo.integrations.generation.adapters import MergedAdapters, MergeNotUndone
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 32)),
+                                peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
+    merged = MergedAdapters("float")
+    real = MergedAdapters._delta
+    calls = []
+
+    def drifting(layer):
+        calls.append(1)
+        delta = real(layer)
+        return delta if len(calls) == 1 else delta * (1 + 2.0 ** -10)
+
+    monkeypatch.setattr(MergedAdapters, "_delta", staticmethod(drifting))
+    with pytest.raises(MergeNotUndone, match="merge_lora='none'"):
+        with merged.swapped(model):
+            pass
+    calls.clear()  # through the generator: raised to the caller, not taken for a model the engine cannot run
+    generator = EmbeddedGenerator(with_lora(tiny_lm("llama")), PAD, [VOCAB + 1], max_new_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        with pytest.raises(MergeNotUndone):
+            generator.generate(prompts(), temperature=0)

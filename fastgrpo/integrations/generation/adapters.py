@@ -108,6 +108,10 @@ def _is_lora_linear(module: nn.Module) -> bool:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits, by its size in bytes
 
 
+class MergeNotUndone(RuntimeError):
+    """An in-place LoRA merge did not give the base weight its exact bits back."""
+
+
 @dataclass
 class _Merge:
     parent: nn.Module
@@ -116,6 +120,7 @@ class _Merge:
     linear: nn.Linear  # what decodes in its place: the base layer itself (in place) or a linear over a copy
     in_place: bool = False  # the base weight itself holds the merged values during the call
     fixes: tuple | None = None  # in place, while merged: (flat indices, original values) the undo would miss
+    checksum: torch.Tensor | None = None  # in place, while merged: the sum of the original weight's bits
 
 
 class MergedAdapters:
@@ -221,10 +226,14 @@ class MergedAdapters:
             bits = _BITS[weight.element_size()]
             missed = torch.nonzero(undone.view(bits).ne(weight.view(bits)).view(-1))[:, 0]
             e.fixes = (missed, weight.view(-1)[missed].clone())
+            e.checksum = weight.view(bits).sum(dtype=torch.int64)
             weight.copy_(merged)
 
     @torch.no_grad()
     def _restore(self) -> None:
+        """Undo the in-place merges; then check every undone weight's bit sum against the original's (one host sync):
+        a delta that came out differently the second time would otherwise leave the base silently changed."""
+        undone = []
         for e in self._entries:
             if e.fixes is None:
                 continue
@@ -233,6 +242,18 @@ class MergedAdapters:
             missed, values = e.fixes
             weight.view(-1)[missed] = values
             e.fixes = None
+            undone.append((e, weight.view(_BITS[weight.element_size()]).sum(dtype=torch.int64)))
+        if not undone:
+            return
+        same = torch.stack([e.checksum == now for e, now in undone]).cpu()
+        for (e, _), ok in zip(undone, same.tolist()):
+            e.checksum = None
+            if not ok:
+                raise MergeNotUndone(
+                    f"fastgrpo: the rollout's LoRA merge into {type(e.layer).__name__} '{e.name}' did not undo to the "
+                    "exact base weight (its delta computed twice differed). Decode with the adapters unmerged: "
+                    "EmbeddedGenerator(merge_lora='none') / fastgrpo_generation_merge_lora='none'."
+                )
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fastgrpo.integrations.generation.adapters import MergedAdapters
+from fastgrpo.integrations.generation.adapters import MergedAdapters, MergeNotUndone
 from fastgrpo.integrations.generation.engine import RolloutEngine
 from fastgrpo.integrations.generation.kv import release_caches
 from fastgrpo.integrations.generation.sampling import Sampling
@@ -182,7 +182,7 @@ class EmbeddedGenerator:
             try:
                 completion, logprobs = self.engine.generate(decoder, prompts, sampling)
                 self._report_unmerged(decoder)
-            except torch.OutOfMemoryError:
+            except (torch.OutOfMemoryError, MergeNotUndone):  # not a model the engine cannot run: the caller's to see
                 raise
             except Exception as error:  # noqa: BLE001 - every failure is named in the warning
                 compiled = self.engine.backend is not None
