@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from bench.grpo_train_step import build_model  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
+from fastgrpo.integrations.generation.adapters import MERGE_MODES  # noqa: E402
 
 BANDWIDTH = harness.COPY_TBPS * 1e12
 MATMUL = harness.MATMUL_TFLOPS * 1e12
@@ -53,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="inductor", help="the decode layer's compile backend (inductor, fastgrpo)")
     p.add_argument("--backend-options", type=json.loads, default=None,
                    help='its options as JSON, e.g. \'{"patterns": ["joined_projections"]}\' for fastgrpo')
-    p.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
+    p.add_argument("--merge-lora", default="float", choices=MERGE_MODES,
                    help="LoRA layers decoded from merged weights (EmbeddedGenerator's merge_lora)")
     p.add_argument("--compile-sampling", type=int, default=1, help="0: the decode step's sampling runs eagerly")
     args = p.parse_args(argv)

@@ -43,6 +43,7 @@ from fastgrpo.compiler import compile_stats  # noqa: E402
 from fastgrpo.compiler.cache import enable_compile_cache  # noqa: E402
 from fastgrpo.compiler.offload import offload_handle  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
+from fastgrpo.integrations.generation.adapters import MERGE_MODES  # noqa: E402
 from fastgrpo.kernels.selective_logprob import selective_logprob  # noqa: E402
 
 COMPLETION = 768
@@ -268,7 +269,7 @@ def main() -> int:
                         help="compile the decode step (auto: EmbeddedGenerator's default, CUDA graphs on CUDA)")
     parser.add_argument("--compile-cache", help="persistent compile cache directory, or 'off' (default: fastgrpo's, "
                         "$FASTGRPO_COMPILE_CACHE or ~/.cache/fastgrpo/compile); run twice for the warm first step")
-    parser.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
+    parser.add_argument("--merge-lora", default="float", choices=MERGE_MODES,
                         help="LoRA layers the generator decodes merged ('all' dequantizes the 4-bit bases into a "
                         "bf16 copy)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU is fine)")

@@ -79,11 +79,26 @@ class CompactAdapters:
 MERGE_MODES = ("float", "all", "none")
 
 
+def check_merge_mode(mode: str) -> str:
+    if mode not in MERGE_MODES:
+        raise ValueError(f"merge_lora must be one of {MERGE_MODES}, got {mode!r}")
+    return mode
+
+
+def _is_quantized(weight) -> bool:
+    """A bitsandbytes 4-bit or 8-bit parameter."""
+    return type(weight).__name__ in ("Params4bit", "Int8Params")
+
+
+def _adapter_device(layer: nn.Module) -> torch.device:
+    return layer.lora_A[next(iter(layer.lora_A))].weight.device
+
+
 def _merge_obstacle(layer: nn.Module, quantized: bool) -> str | None:
     """Why this LoRA layer's adapters cannot be folded into a copy of its base weight (None: they can)."""
     base = layer.base_layer
     weight = getattr(base, "weight", None)
-    if type(weight).__name__ in ("Params4bit", "Int8Params"):
+    if _is_quantized(weight):
         if not quantized:
             return "quantized base (merge_lora='all' merges it into a bf16 copy)"
     elif type(base) is not nn.Linear:
@@ -143,9 +158,7 @@ class MergedAdapters:
     """
 
     def __init__(self, mode: str = "float"):
-        if mode not in MERGE_MODES:
-            raise ValueError(f"merge_lora must be one of {MERGE_MODES}, got {mode!r}")
-        self.mode = mode
+        self.mode = check_merge_mode(mode)
         self._entries: list[_Merge] = []
         self._key: tuple = ()
         self.not_merged: dict[str, int] = {}  # reason -> LoRA layers left to the adapters' own forward
@@ -180,12 +193,10 @@ class MergedAdapters:
     def _copy_linear(layer: nn.Module) -> nn.Linear:
         base = layer.base_layer
         weight = base.weight
-        quantized = type(weight).__name__ in ("Params4bit", "Int8Params")
-        dtype = (getattr(base, "compute_dtype", None) or torch.bfloat16) if quantized else weight.dtype
-        device = layer.lora_A[next(iter(layer.lora_A))].weight.device
+        dtype = (getattr(base, "compute_dtype", None) or torch.bfloat16) if _is_quantized(weight) else weight.dtype
         linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-        linear.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=device),
-                                     requires_grad=False)
+        linear.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype,
+                                                 device=_adapter_device(layer)), requires_grad=False)
         linear.bias = base.bias
         return linear
 
@@ -201,9 +212,8 @@ class MergedAdapters:
     @staticmethod
     def _delta(layer: nn.Module) -> torch.Tensor:
         """The active adapters' summed delta in fp32, computed the same way at merge and undo (autocast off)."""
-        device = layer.lora_A[next(iter(layer.lora_A))].weight.device
         total = None
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(_adapter_device(layer).type, enabled=False):
             for name in layer.active_adapters:
                 if name in layer.lora_A:
                     delta = layer.get_delta_weight(name).to(torch.float32)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fastgrpo.integrations.generation.adapters import MergedAdapters, MergeNotUndone
+from fastgrpo.integrations.generation.adapters import MergeNotUndone, check_merge_mode
 from fastgrpo.integrations.generation.engine import RolloutEngine
 from fastgrpo.integrations.generation.kv import release_caches
 from fastgrpo.integrations.generation.sampling import Sampling
@@ -72,8 +72,9 @@ class EmbeddedGenerator:
         check_finished_every: decode steps between host reads of how many rows still run; default 16 on CUDA, 1 on
             CPU (where a read costs nothing).
         min_batch: the fewest rows a step runs once finished rows drop out (smaller batches save little).
-        merge_lora: LoRA layers decoded from a merged copy of their weights: "float" (floating-point bases),
-            "all" (bitsandbytes-quantized bases too), "none" (the adapters' own forward). See `MergedAdapters`.
+        merge_lora: LoRA layers decoded from their weights with the adapters merged in: "float" (floating-point
+            bases, merged in place and undone exactly), "all" (bitsandbytes-quantized bases too, into a bf16 copy),
+            "none" (the adapters' own forward). See `MergedAdapters`.
         compile_sampling: compile the decode step's sampling as well; default: when the layers compile.
     """
 
@@ -109,10 +110,9 @@ class EmbeddedGenerator:
         self._pad_to_multiple_of = pad_to_multiple_of
         self._check_finished_every = check_finished_every
         self._min_batch = min_batch
-        self._merge_lora = merge_lora
+        self._merge_lora = check_merge_mode(merge_lora)  # a bad mode fails here, not at the first generate
         self._unmerged_reported = False
         self._compile_sampling = compile_sampling
-        MergedAdapters(merge_lora)  # a bad mode fails here, not at the first generate
         self.engine: RolloutEngine | None = None
         self.fallback: str | None = None  # None: the engine runs; "eager": uncompiled layers; "generate"
 

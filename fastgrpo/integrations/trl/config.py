@@ -110,10 +110,10 @@ class GRPOConfig(TRLGRPOConfig):
     fastgrpo_generation_merge_lora: str = field(
         default="float",
         metadata={
-            "help": "Which LoRA layers the embedded generator decodes from a copy of their weights with the adapters "
-            "merged in (one GEMM a projection, as TRL's vLLM path merges them): 'float' (bf16/fp16/fp32 bases; costs "
-            "a copy of those weights while training runs), 'all' (also QLoRA's 4-bit bases, dequantized into the "
-            "copy), 'none' (the adapters' own forward, in the base's dtype)."
+            "help": "Which LoRA layers the embedded generator decodes from their weights with the adapters merged in "
+            "(one GEMM a projection, as TRL's vLLM path merges them): 'float' (bf16/fp16/fp32 bases, merged in place "
+            "for the call and undone exactly: no copy), 'all' (also QLoRA's 4-bit bases, dequantized into a bf16 "
+            "copy held while training runs), 'none' (the adapters' own forward, in the base's dtype)."
         },
     )
     fastgrpo_mini_batch: int | str | None = field(
