@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
     p.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
                    help="fastgrpo: fastgrpo_generation_merge_lora (LoRA layers the generator decodes merged)")
+    p.add_argument("--join-qkv", type=int, default=1,
+                   help="fastgrpo: 0 decodes merged q, k and v as three GEMMs (generation.adapters.JOIN_QKV off)")
     p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
                    "print its 25 costliest functions by own time and Dynamo's compile-phase times")
     args = p.parse_args(argv)
@@ -159,8 +161,10 @@ def run(args) -> dict:
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     if args.system == "fastgrpo":
+        from fastgrpo.integrations.generation import adapters
         from fastgrpo.integrations.trl import GRPOConfig, GRPOTrainer
 
+        adapters.JOIN_QKV = bool(args.join_qkv)
         config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation),
                             fastgrpo_generation_merge_lora=args.merge_lora)
     else:
@@ -187,6 +191,7 @@ def run(args) -> dict:
     return dict(
         system=args.system if args.embedded_generation else f"{args.system}_generate", shape=args.shape,
         merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
+        join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),

@@ -139,8 +139,8 @@ def test_the_prefill_runs_each_distinct_prompt_once():
 @pytest.mark.parametrize("merge", ["float", "none"])
 def test_generates_from_the_live_weights(merge):
     """No trained weight is moved or copied stale, and the generator holds nothing weight-sized on the device but its
-    KV cache: merged (the default), the frozen base weights take the adapters in place for the call and get their
-    exact values back afterwards."""
+    KV cache and, merged (the default), each attention's joined q/k/v copy: the other frozen base weights take the
+    adapters in place for the call and get their exact values back afterwards."""
     model = with_lora(tiny_lm("llama"))
     model.train()
     params = dict(model.named_parameters())
@@ -155,12 +155,15 @@ def test_generates_from_the_live_weights(merge):
     assert model.training, "training mode must be restored"
     assert not any(type(m) is torch.nn.Linear and "lora" not in name and not name.endswith("base_layer")
                    for name, m in model.named_modules() if "layers" in name), "LoRA layers must be restored"
-    # The generator holds the model and its KV cache (on the attention modules), and the merged copies.
+    # The generator holds the model and its KV cache (on the attention modules), and the joined q/k/v copies.
     own = [v for v in vars(generator).values() if isinstance(v, torch.Tensor)]
     assert own == []
     lora_layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.Linear)]
     assert len(generator.engine._merged._entries) == (len(lora_layers) if merge == "float" else 0)
-    assert generator.engine._merged.copies == []
+    merged = generator.engine._merged
+    assert merged.joined_groups == (2 if merge == "float" else 0)
+    hidden, kv_width = 64, 32
+    assert [tuple(c.shape) for c in merged.copies] == [(hidden + 2 * kv_width, hidden)] * merged.joined_groups
     caches = [m._fastgrpo_kv for m in model.modules() if "_fastgrpo_kv" in m.__dict__]
     kv_bytes = sum(t.numel() * t.element_size() for kv in caches for t in kv)
     heads, head_dim, layers, slots = 1, 32, 2, max(PROMPT_LENGTHS) + 10
@@ -635,12 +638,12 @@ def test_an_undo_that_misses_is_refused_loudly(monkeypatch):
                                 peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
     merged = MergedAdapters("float")
     real = MergedAdapters._delta
-    calls = []
+    calls = []  # layers whose delta was computed: a layer's second delta (its undo) drifts
 
     def drifting(layer):
-        calls.append(1)
+        calls.append(id(layer))
         delta = real(layer)
-        return delta if len(calls) == 1 else delta * (1 + 2.0 ** -10)
+        return delta if calls.count(id(layer)) == 1 else delta * (1 + 2.0 ** -10)
 
     monkeypatch.setattr(MergedAdapters, "_delta", staticmethod(drifting))
     with pytest.raises(MergeNotUndone, match="merge_lora='none'"):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastgrpo.integrations.generation.joined import JoinedProjections, joinable_groups
+
 
 def _base_compute_dtype(layer: nn.Module) -> torch.dtype | None:
     base = getattr(layer, "base_layer", None)
@@ -77,6 +79,9 @@ class CompactAdapters:
 # ---- merged adapters ---------------------------------------------------------------------------------------------
 
 MERGE_MODES = ("float", "all", "none")
+# Merged q, k and v decode as one GEMM over a joined copy (`joined.py`). `python bench/bench_generation.py
+# --join-qkv 0` times the rollouts without it.
+JOIN_QKV = True
 
 
 def check_merge_mode(mode: str) -> str:
@@ -151,7 +156,9 @@ class MergedAdapters:
       at merge time, when W is known, by comparing bits) and their values are kept and written back. So the base
       gets its exact bits back with no copy of it anywhere, for a few passes over the weights a call;
     - in a persistent device copy, refreshed per call, for a trained or shared base and, with mode "all", a
-      bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives).
+      bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives);
+    - in a joined copy for an attention's q, k and v that all merge (`joined.py`, while `JOIN_QKV`): one GEMM for
+      the three.
 
     Args:
         mode: "float" merges layers with a floating-point base; "all" also quantized bases; "none" merges nothing.
@@ -166,8 +173,18 @@ class MergedAdapters:
 
     @property
     def copies(self) -> list[torch.Tensor]:
-        """The device copies held (weights merged out of place)."""
-        return [e.linear.weight for e in self._entries if e.linear is not e.layer.base_layer]
+        """The device copies held (weights merged out of place; a joined group's weight once)."""
+        copies = {}
+        for e in self._entries:
+            if e.linear is not e.layer.base_layer:
+                weight = e.linear.joined.weight if hasattr(e.linear, "joined") else e.linear.weight
+                copies[id(weight)] = weight
+        return list(copies.values())
+
+    @property
+    def joined_groups(self) -> int:
+        """Groups of projections decoding as one GEMM (`joined.py`)."""
+        return len({id(e.linear.joined) for e in self._entries if hasattr(e.linear, "joined")})
 
     def release(self) -> None:
         self._entries, self._key = [], ()
@@ -190,10 +207,16 @@ class MergedAdapters:
         return targets
 
     @staticmethod
-    def _copy_linear(layer: nn.Module) -> nn.Linear:
+    def _copy_dtype(layer: nn.Module) -> torch.dtype:
+        """The dtype a merged copy of this layer's weight takes: the base's (a quantized base's compute dtype)."""
         base = layer.base_layer
         weight = base.weight
-        dtype = (getattr(base, "compute_dtype", None) or torch.bfloat16) if _is_quantized(weight) else weight.dtype
+        return (getattr(base, "compute_dtype", None) or torch.bfloat16) if _is_quantized(weight) else weight.dtype
+
+    @classmethod
+    def _copy_linear(cls, layer: nn.Module) -> nn.Linear:
+        base = layer.base_layer
+        dtype = cls._copy_dtype(layer)
         linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype,
                                                  device=_adapter_device(layer)), requires_grad=False)
@@ -228,7 +251,10 @@ class MergedAdapters:
             delta = self._delta(e.layer)
             if not e.in_place:
                 base = dequantize_module_weight(e.layer.base_layer).to(torch.float32)
-                e.linear.weight.copy_(base + delta)
+                target = e.linear.merge_weight if hasattr(e.linear, "joined") else e.linear.weight
+                target.copy_(base + delta)
+                if getattr(e.linear, "merge_bias", None) is not None:
+                    e.linear.merge_bias.copy_(e.layer.base_layer.bias)
                 continue
             weight = e.linear.weight
             merged = (weight.to(torch.float32) + delta).to(weight.dtype)
@@ -281,7 +307,16 @@ class MergedAdapters:
                 counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
             shared = {ptr for ptr, n in counts.items() if n > 1}
             self._entries = []  # the old copies go before the new are allocated
-            self._entries = [self._entry(parent, name, layer, shared) for parent, name, layer in targets]
+            joined = {}
+            for group in joinable_groups(targets, self._copy_dtype) if JOIN_QKV else []:
+                layers = [layer for _, _, layer in group]
+                projections = JoinedProjections([layer.out_features for layer in layers], layers[0].in_features,
+                                                self._copy_dtype(layers[0]), _adapter_device(layers[0]),
+                                                bias=layers[0].base_layer.bias is not None)
+                for (parent, name, layer), piece in zip(group, projections.slices()):
+                    joined[id(layer)] = _Merge(parent, name, layer, piece)
+            self._entries = [joined.get(id(layer)) or self._entry(parent, name, layer, shared)
+                             for parent, name, layer in targets]
             self._key = key
             self.version += 1
         try:
