@@ -300,6 +300,15 @@ def test_launch_rule_at_the_qwen_shapes():
     assert got == {(1536, 1536): 8, (256, 1536): 12, (8960, 1536): 2, (1536, 8960): 11}
 
 
+def test_bench_tiny_smoke_run(capsys):
+    from bench import bench_nf4_linear
+
+    rows = bench_nf4_linear.main(["--tiny", "--rows", "8"])
+    assert [r["projection"] for r in rows] == ["q", "k/v", "o", "gate/up", "down"]
+    assert all(r["max_rel_err"] < 3e-2 for r in rows)
+    assert "| projection |" in capsys.readouterr().out
+
+
 # GPU: the Qwen2.5-1.5B projection shapes, QLoRA's defaults (NF4, blocksize 64, double quantization), fp32 adapters.
 
 
