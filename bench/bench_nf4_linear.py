@@ -15,6 +15,8 @@ reused would be served from the 50-60 MB L2, not HBM.
 
     python bench/bench_nf4_linear.py                   # GPU: qwen2.5-1.5b, rows 8 16 64
     python bench/bench_nf4_linear.py --rows 8 --rank 64
+    python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
+                                                       # row count (columns a tile, warps, stages, programs per SM)
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
@@ -28,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
+from fastgrpo.kernels import nf4_lora_linear as nf4_module  # noqa: E402
 from fastgrpo.kernels.nf4_lora_linear import launch_config, nf4_lora_linear, quant_state_args  # noqa: E402
 
 BLOCKSIZE = 64
@@ -43,7 +46,8 @@ def projections(shape: str, tiny: bool = False) -> dict[str, tuple[int, int]]:
         hidden, inter, heads, kv_heads, head_dim = (harness.TINY["hidden_size"], harness.TINY["intermediate_size"],
                                                     2, 1, harness.TINY["hidden_size"] // 2)
     q, kv = heads * head_dim, kv_heads * head_dim
-    return {"q": (q, hidden), "k/v": (kv, hidden), "o": (hidden, q), "gate/up": (inter, hidden), "down": (hidden, inter)}
+    return {"q": (q, hidden), "k/v": (kv, hidden), "o": (hidden, q), "gate/up": (inter, hidden),
+            "down": (hidden, inter)}
 
 
 def lora_layer(n: int, k: int, rank: int, device: str):
@@ -89,6 +93,29 @@ def l2_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
+# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills), x stages x programs per SM.
+SWEEP = [dict(block_n=bn, warps=w, stages=st, per_sm=ps)
+         for bn, w in ((64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4)]
+
+
+def sweep_settings(config: dict):
+    return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_NUM_WARPS", config["warps"]),
+            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"])]
+
+
+def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
+    """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first; one row for the results."""
+    now, timings = harness.time_launch_configs(ours, SWEEP, sweep_settings, rep=20)
+    best_ms, best = timings[0]
+    print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "
+          + ", ".join(f"{c['block_n']}/{c['warps']}/{c['stages']}/{c['per_sm']}: {t * 1e3 / copies:.1f}"
+                      for t, c in timings))
+    return dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies, sweep=True,
+                now_us=now * 1e3 / copies, best_us=best_ms * 1e3 / copies, best=best,
+                timings_us={f"{c['block_n']}/{c['warps']}/{c['stages']}/{c['per_sm']}": t * 1e3 / copies
+                            for t, c in timings})
+
+
 def main(argv=None):
     p = harness.argument_parser(__doc__)
     p.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
@@ -96,6 +123,7 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--copies", type=int, default=8, help="distinct layers a timed call rotates through, at least")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny projections, two copies, no rows kept")
+    p.add_argument("--sweep", action="store_true", help="time the kernel's launch settings (GPU)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -127,6 +155,11 @@ def main(argv=None):
                     for layer in layers:
                         layer(x)
 
+                if args.sweep and cuda:
+                    row = sweep(ours, name, n, k, m, copies, args)
+                    harness.emit(row)
+                    rows_out.append(row)
+                    continue
                 ours_us = harness.graph_ms(ours) * 1e3 / copies
                 bnb_us = harness.graph_ms(bnb_peft) * 1e3 / copies
             floor_us = floor_bytes(m, n, k, args.rank) / bandwidth * 1e6
@@ -141,7 +174,7 @@ def main(argv=None):
           f"{harness.COPY_TBPS} TB/s\n")
     print(harness.md_header("projection", "N x K", "rows", "splits", "copies", "fastgrpo us", "bnb+peft us",
                             "floor us", "share of floor", "bnb+peft / fastgrpo"))
-    for r in rows_out:
+    for r in (r for r in rows_out if not r.get("sweep")):
         print(harness.md_row(r["projection"], f"{r['n']}x{r['k']}", r["rows"], r["splits"], r["copies"],
                              f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['floor_us']:.2f}",
                              f"{100 * r['share_of_floor']:.0f} %", f"{r['speedup']:.2f}x"))

@@ -21,15 +21,17 @@ W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / 
   256-entry dynamic map `state2.code`, nested_blocksize `state2.blocksize` = 256, offset a 0-d fp32 tensor).
 
 Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns,
-so a step of a weight row has one block scale (dequantized in the kernel, nested or not): it loads the step's
-[BN, BK/2] packed bytes, looks both nibbles up in the 16-entry table (a gather from a 64-byte table that stays in
-L1), scales them, and multiplies the even and the odd columns of x by them (two `tl.dot`s, M padded to 16:
-tensor cores at every M, and no interleaving of the nibbles). Its share of x @ A^T (A's columns of its K range)
-rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that
-product is linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K
-is not split. When K is split, programs store fp32 partials and count themselves in a per-tile counter; the last
-program of a tile sums the partials, adds the bias, writes the output and resets the counter (the counters need
-no clearing between calls, and a captured call replays as is).
+so a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks both nibbles
+of the step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1),
+scales them, sets the even and odd columns side by side (`tl.join`) and multiplies x's [BM, BK] tile by the
+[BN, BK] result in one `tl.dot` (M padded to 16: tensor cores at every M; the weight cast to x's dtype as
+bitsandbytes casts it). A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so
+that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along
+on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is
+linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not
+split. When K is split, programs store fp32 partials and count themselves in a per-tile counter; the last program
+of a tile sums the partials, adds the bias, writes the output and resets the counter (the counters need no
+clearing between calls, and a captured call replays as is).
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
@@ -43,7 +45,12 @@ import triton.language as tl
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
 
 MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
+# Launch settings of CUDA calls (bench/bench_nf4_linear.py --sweep times others). At BN 64 and 4 warps, sm_90 code
+# takes 130-170 registers and spills nothing; BN 128 needs 8 warps (4 spill at 16 rows).
 _PROGRAMS_PER_SM = 2
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 _MAX_SPLITS = 32
 _COUNTERS = 16384  # tiles a split call may use
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -151,30 +158,32 @@ def _nf4_lora_linear_kernel(
     last = True
     if SPLITS > 1:
         tile = pid_m * tl.num_programs(0) + pid_n
-        partial = part_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(partial + pid_k * M * N, acc, mask=mask)
+        plane = (tl.zeros((), dtype=tl.int64) + M) * N  # one split's [M, N] partials (64-bit offsets)
+        partial = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(partial + pid_k * plane, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         last = arrived == SPLITS - 1
         if last:  # the tile's last program: sum the others' partials into its own
             for s in range(SPLITS):
                 if s != pid_k:
-                    acc += tl.load(partial + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc += tl.load(partial + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)
     if last:
         if BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        out = out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     """Tiles and K splits of one call, from static shapes only. Every row in one tile up to 64 rows (the weight
-    is read once), 64 output columns a tile, steps of min(blocksize, 128) columns of K.
+    is read once), _BLOCK_N (64) output columns a tile, steps of min(blocksize, 128) columns of K.
     Rule: splits = min(ceil(2 * SMs / tiles), K / (2 * BK), 32), so that tiles x splits is ~2 programs per SM and
     each split walks at least two steps (1.5B shapes on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12,
     8960x1536 -> 2, 1536x8960 -> 11)."""
     bm = min(64, max(16, next_power_of_2(m)))
-    bn = 64
+    bn = _BLOCK_N
     bk = min(blocksize, 128)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), tiles)
@@ -206,6 +215,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if splits > 1 else out
     grid = (cdiv(n, config["BN"]), splits, cdiv(m, config["BM"]))
+    if splits > 1 and grid[0] * grid[2] > _COUNTERS:
+        raise ValueError(f"{grid[0] * grid[2]} tiles need more than the {_COUNTERS} counters; split K less")
     counters = _counter_buffer(x2.device) if splits > 1 else out
     nested = nested_absmax is not None
     lora = lora_a is not None
@@ -220,7 +231,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=cuda and x2.dtype != torch.float32, num_warps=4 if cuda else 1, num_stages=3 if cuda else 1,
+        NATIVE=cuda and x2.dtype != torch.float32, num_warps=_NUM_WARPS if cuda else 1,
+        num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
     return out
 
