@@ -149,6 +149,44 @@ def test_triton_kernel_rank_64_many_rows_and_m_tiles():
     check(out, inputs)
 
 
+@pytest.fixture
+def split_order(monkeypatch):
+    """Sets the order in which the interpreter runs the programs of the K axis (grid axis 1): `order(s, splits)`
+    names the split run s-th. The interpreter runs programs one after another, so the last to arrive at a tile's
+    counter is the split run last."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    real = interpreter_builder.set_grid_idx
+    state = {"order": None}
+
+    def set_grid_idx(x, y, z):
+        order = state["order"]
+        real(x, order(y, interpreter_builder.grid_dim[1]) if order else y, z)
+
+    monkeypatch.setattr(interpreter_builder, "set_grid_idx", set_grid_idx)
+    return state
+
+
+def test_split_k_sum_does_not_depend_on_arrival_order(split_order):
+    """The tile's last program sums every split's partial in split order: the same bits whichever program arrives
+    last (on a GPU: run to run, and eager against a CUDA-graph replay), and repeated calls are bit-equal."""
+    inputs = _case(7, 5, 40, 512, 64, True, True, 8, torch.float32, torch.float32, False)
+    args, _ = _op_args(inputs)
+    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128)
+    outs = []
+    with triton_on_cpu():
+        for order in (None, lambda s, n: n - 1 - s, lambda s, n: (s + 1) % n, None):
+            split_order["order"] = order
+            outs.append(_triton_nf4_lora_linear(*args, config=config))
+        split_order["order"] = None
+        unsplit = _triton_nf4_lora_linear(*args, config=dict(config, splits=1, k_per_split=512))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    check(outs[0], inputs)
+    check(unsplit, inputs)
+    torch.testing.assert_close(outs[0], unsplit, atol=2e-5 * outs[0].abs().max().item(), rtol=0)
+
+
 def test_public_wrapper_on_both_paths_and_leading_dims():
     inputs = _case(3, 6, 80, 256, 64, True, True, 8, torch.bfloat16, torch.float32, False)
     x = inputs.pop("x")

@@ -29,9 +29,10 @@ bitsandbytes casts it). A step's packed bytes are loaded two steps ahead, its x 
 that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along
 on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is
 linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not
-split. When K is split, programs store fp32 partials and count themselves in a per-tile counter; the last program
-of a tile sums the partials, adds the bias, writes the output and resets the counter (the counters need no
-clearing between calls, and a captured call replays as is).
+split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter; the last
+program of a tile sums all the tile's partials (its own read back) in split order, adds the bias, writes the output
+and resets the counter (the counters need no clearing between calls, and a captured call replays as is). The sum's
+order does not depend on which program arrives last: a call's result is deterministic, eager or captured.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
@@ -164,10 +165,13 @@ def _nf4_lora_linear_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         last = arrived == SPLITS - 1
-        if last:  # the tile's last program: sum the others' partials into its own
-            for s in range(SPLITS):
-                if s != pid_k:
-                    acc += tl.load(partial + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
+        if last:
+            # The tile's last program sums every split's partial, its own re-read too, in the fixed order
+            # 0..SPLITS-1 (unrolled: the loads issue back to back): the result does not depend on which program
+            # arrived last, so it is the same bits run to run, eager or replayed in a CUDA graph.
+            acc = tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                acc += tl.load(partial + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)
     if last:
         if BIAS:
