@@ -54,6 +54,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
 _COUNTERS = 16384  # tiles a split call may use
+_REDUCE_ELEMENTS = 8192  # partial values the split-K sum loads at a time (see _reduce_rows)
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -81,7 +82,7 @@ def _nf4_lora_linear_kernel(
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
-    NATIVE: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -156,28 +157,38 @@ def _nf4_lora_linear_kernel(
         else:
             acc = tl.dot(xa, tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
     mask = m_ok[:, None] & n_ok[None, :]
-    last = True
-    if SPLITS > 1:
+    if SPLITS == 1:
+        if BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
         tile = pid_m * tl.num_programs(0) + pid_n
         plane = (tl.zeros((), dtype=tl.int64) + M) * N  # one split's [M, N] partials (64-bit offsets)
         partial = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(partial + pid_k * plane, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        last = arrived == SPLITS - 1
-        if last:
-            # The tile's last program sums every split's partial, its own re-read too, in the fixed order
-            # 0..SPLITS-1 (unrolled: the loads issue back to back): the result does not depend on which program
-            # arrived last, so it is the same bits run to run, eager or replayed in a CUDA graph.
-            acc = tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLITS):
-                acc += tl.load(partial + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
+        if arrived == SPLITS - 1:
+            # The tile's last program sums every split's partial, its own read back too, in the fixed order
+            # 0..SPLITS-1: the result does not depend on which program arrived last, so it is the same bits run to
+            # run, eager or replayed in a CUDA graph. REDUCE_ROWS rows at a time, each chunk's SPLITS loads unrolled
+            # (issued back to back) and bounded to ~64 registers a thread; the chunk loop is not unrolled, so the
+            # loads of later chunks are not hoisted beside them (spills).
+            if BIAS:
+                bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            for r0 in tl.range(0, BM, REDUCE_ROWS, loop_unroll_factor=1):
+                rows = pid_m * BM + r0 + tl.arange(0, REDUCE_ROWS)
+                chunk_mask = (rows < M)[:, None] & n_ok[None, :]
+                chunk = part_ptr + rows.to(tl.int64)[:, None] * N + rn[None, :]
+                total = tl.load(chunk, mask=chunk_mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):
+                    total += tl.load(chunk + s * plane, mask=chunk_mask, other=0.0, cache_modifier=".cg")
+                if BIAS:
+                    total += bias[None, :]
+                out = out_ptr + rows.to(tl.int64)[:, None] * som + rn[None, :]
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=chunk_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
-    if last:
-        if BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
@@ -196,6 +207,13 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
     return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split)
+
+
+def _reduce_rows(bm: int, bn: int, splits: int) -> int:
+    """Rows of a tile the split-K sum takes at a time: its SPLITS fp32 [rows, BN] loads hold at most _REDUCE_ELEMENTS
+    values (64 registers a thread at 4 warps), a power of 2 dividing BM."""
+    rows = max(1, _REDUCE_ELEMENTS // (bn * splits))
+    return min(bm, 1 << (rows.bit_length() - 1))
 
 
 def _counter_buffer(device: torch.device) -> torch.Tensor:
@@ -235,7 +253,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=cuda and x2.dtype != torch.float32, num_warps=_NUM_WARPS if cuda else 1,
+        NATIVE=cuda and x2.dtype != torch.float32, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
     return out
