@@ -13,6 +13,7 @@ from fastgrpo.kernels._dispatch import cdiv, triton_on_cpu
 from fastgrpo.kernels.nf4_lora_linear import (
     _nf4_lora_linear_op,
     _triton_nf4_lora_linear,
+    kernel_obstacle,
     launch_config,
     lora_factors,
     nf4_lora_linear,
@@ -201,13 +202,19 @@ def test_public_wrapper_on_both_paths_and_leading_dims():
 
 
 def test_out_of_domain_calls_take_the_reference():
-    """K not a multiple of the blocksize, or r above MAX_RANK: the reference, inside the interpreter too."""
-    for n, k, blocksize, rank in ((20, 96, 64, 4), (16, 128, 64, 80)):
+    """K not a multiple of the blocksize, or r above MAX_RANK: the reference, inside the interpreter too;
+    `kernel_obstacle` names why (a CPU tensor outside the interpreter too)."""
+    for n, k, blocksize, rank, why in ((20, 96, 64, 4, "in_features not a multiple"), (16, 128, 64, 80, "rank above")):
         inputs = _case(1, 3, n, k, blocksize, False, False, rank, torch.float32, torch.float32, False)
         kwargs = {key: value for key, value in inputs.items() if key not in ("x", "packed")}
         with triton_on_cpu():
+            assert why in kernel_obstacle(inputs["x"], blocksize, k, rank)
             out = nf4_lora_linear(inputs["x"], inputs["packed"], **kwargs)
         check(out, inputs)
+    x = torch.zeros(1, 64)
+    assert kernel_obstacle(x, 64, 64, 4) == "on cpu, the kernel runs on CUDA"
+    with triton_on_cpu():
+        assert kernel_obstacle(x, 64, 64, 64) is None
 
 
 def test_no_rows():

@@ -303,8 +303,20 @@ def reference_nf4_lora_linear(x, packed, absmax, code, nested_absmax, nested_cod
     return out
 
 
+def kernel_obstacle(t: torch.Tensor, blocksize: int, k: int, rank: int) -> str | None:
+    """Why a call on tensors on t's device, with this blocksize, K and LoRA rank (0: none), would run the torch
+    reference instead of the kernel (None: the kernel runs)."""
+    if not use_triton(t):
+        return f"on {t.device.type}, the kernel runs on CUDA"
+    if k % blocksize:
+        return "in_features not a multiple of the blocksize"
+    if rank > MAX_RANK:
+        return f"LoRA rank above {MAX_RANK}"
+    return None
+
+
 def _takes_triton(x2, blocksize, k, lora_a) -> bool:
-    return use_triton(x2) and k % blocksize == 0 and (lora_a is None or lora_a.shape[0] <= MAX_RANK)
+    return kernel_obstacle(x2, blocksize, k, 0 if lora_a is None else lora_a.shape[0]) is None
 
 
 @torch.library.custom_op("fastgrpo::nf4_lora_linear", mutates_args=())
