@@ -170,7 +170,8 @@ def main(argv=None):
                    compile_sampling=bool(args.compile_sampling), join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, seconds=seconds,
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,
-                   batches=sorted(generator.engine._buffers.batches) if generator.engine else None)
+                   batches=sorted(generator.engine._buffers.batches) if generator.engine else None,
+                   lora_decoding=generator.lora_decoding)
         rows_out.append(row)
         harness.emit(row)
         generator.engine and generator.engine.release()

@@ -227,6 +227,7 @@ def run(args) -> dict:
         "step_s": statistics.median(s["step_s"] for s in timed),
         "steps": steps, "layer_graphs": len(reports), "sites_matched": matched,
         "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+        "lora_decoding": step.generator.lora_decoding,
     }
     if device.type == "cuda":
         generation_peak = max(s["generation_peak_bytes"] for s in timed)
@@ -256,7 +257,8 @@ def table(r: dict) -> str:
         f"\nG={r['group']} x ({r['prompt']} prompt + {r['completion']} completion), LoRA r={r['lora_rank']}, 4-bit NF4 base, "
         f"inner={r['inner']}; layer graphs compiled: {r['layer_graphs']}, sites matched: {r['sites_matched']}, "
         f"graph breaks: {sum(r['graph_breaks'].values()) if r['graph_breaks'] else 0}"
-        + (f", host buffers {r['host_gib']} GiB" if "host_gib" in r else ""),
+        + (f", host buffers {r['host_gib']} GiB" if "host_gib" in r else "")
+        + f"; LoRA layers decoded: {r.get('lora_decoding')}",
     ])
 
 

@@ -240,6 +240,43 @@ def test_cuda_repeated_blocks_with_offload(tmp_path):
     assert handle.stats.offloaded == 3 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
 
 
+def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path):
+    """While the rollout engine decodes (`MergedAdapters.swapped`, mode "float"), each LoRA linear of a QLoRA model
+    loaded by transformers (bf16 compute, fp32 adapters) is a module running fastgrpo::nf4_lora_linear (Triton's
+    interpreter here): its output is PEFT's within bf16 rounding (PEFT rounds the base product and the LoRA term
+    before their sum, the kernel once); inputs of more rows than a decode step has run PEFT's forward itself. The
+    tiny model's down_proj (96 in-features, blocks of 64) is outside the kernel's domain: left to PEFT, named."""
+    from fastgrpo.integrations.generation.adapters import FOUR_BIT_KERNEL_MAX_ROWS, FourBitLoRALinear, MergedAdapters
+    from fastgrpo.kernels._dispatch import triton_on_cpu
+
+    model = qlora_model(tmp_path, "qwen2", torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    assert len(lora) == len(PROJECTIONS) * LAYERS
+    g = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randn(5, m.in_features, generator=g).to(torch.bfloat16) for name, m in lora.items()}
+    merged = MergedAdapters("float")
+    with torch.no_grad():
+        want = {name: m(inputs[name]) for name, m in lora.items()}
+        with triton_on_cpu(), merged.swapped(model):
+            assert merged.nf4_layers == len(lora) - LAYERS
+            assert merged.not_merged == {"4-bit base not taken by the 4-bit kernel (in_features not a multiple of the "
+                                         "blocksize; merge_lora='all' merges it into a bf16 copy)": LAYERS}
+            for name in lora:
+                swapped = model.get_submodule(name)
+                assert isinstance(swapped, FourBitLoRALinear) != name.endswith("down_proj"), name
+                got = swapped(inputs[name])
+                scale = want[name].abs().max().item()
+                assert got.dtype == torch.bfloat16
+                assert (got.float() - want[name].float()).abs().max().item() <= 3e-2 * max(1.0, scale), name
+            name = next(iter(lora))
+            many = torch.randn(FOUR_BIT_KERNEL_MAX_ROWS + 1, lora[name].in_features).to(torch.bfloat16)
+            assert torch.equal(model.get_submodule(name)(many), lora[name](many))
+    assert {name: model.get_submodule(name) for name in lora} == lora
+
+
 def test_trainer_generates_then_trains_a_qlora_model_on_cpu(tmp_path):
     """bitsandbytes on a CPU with AVX512-BF16 repacks a 4-bit weight for its inference kernel at the first
     no-grad eval forward (generation) and then fails every training forward; the trainer keeps the

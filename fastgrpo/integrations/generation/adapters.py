@@ -1,8 +1,11 @@
-"""LoRA adapters while the rollout engine decodes: merged into their base weights, or else in the compute dtype.
+"""LoRA adapters while the rollout engine decodes: merged into their base weights, read by the 4-bit kernel with a
+QLoRA base, or else in the compute dtype.
 
 `MergedAdapters` (below) folds each plain LoRA linear into one weight for the duration of a call (in place and
-restored bit-exact, or in a copy). What it leaves (DoRA, bias LoRA, non-Linear bases, quantized bases unless asked)
-runs PEFT's own forward with `CompactAdapters`:
+restored bit-exact, or in a copy); in its default mode it decodes each plain LoRA linear over a bitsandbytes 4-bit
+base through `fastgrpo::nf4_lora_linear` instead (the packed weight and the adapters read where they live). What it
+leaves (DoRA, bias LoRA, non-Linear bases, 4-bit bases the kernel does not take, 8-bit bases) runs PEFT's own
+forward with `CompactAdapters`:
 
 PEFT keeps adapter weights in fp32 beside a bf16 base and casts the input up to them, so with autocast off (the
 engine's setting) every LoRA product of a decode step is an fp32 GEMM. Training runs the same products under bf16
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastgrpo.integrations.generation.joined import JoinedProjections, joinable_groups
+from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
+from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
 
 def _base_compute_dtype(layer: nn.Module) -> torch.dtype | None:
@@ -99,25 +103,106 @@ def _adapter_device(layer: nn.Module) -> torch.device:
     return layer.lora_A[next(iter(layer.lora_A))].weight.device
 
 
-def _merge_obstacle(layer: nn.Module, quantized: bool) -> str | None:
-    """Why this LoRA layer's adapters cannot be folded into a copy of its base weight (None: they can)."""
-    base = layer.base_layer
-    weight = getattr(base, "weight", None)
-    if _is_quantized(weight):
-        if not quantized:
-            return "quantized base (merge_lora='all' merges it into a bf16 copy)"
-    elif type(base) is not nn.Linear:
-        return f"base layer is {type(base).__name__}, not nn.Linear"
-    elif not weight.is_floating_point():
-        return f"base weight of dtype {weight.dtype}"
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
+def _active(layer: nn.Module) -> list[str]:
+    return [name for name in layer.active_adapters if name in layer.lora_A]
+
+
+def _adapter_obstacle(layer: nn.Module) -> str | None:
+    """Why the active adapters are not a plain weight sum (None: they are)."""
+    for name in _active(layer):
         if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
             return "a LoRA variant (DoRA, ...) whose merge is not a weight sum"
         if layer.lora_B[name].bias is not None:
             return "LoRA with a bias"
     return None
+
+
+def _four_bit_obstacle(layer: nn.Module) -> str | None:
+    """Why this LoRA layer over a bitsandbytes-quantized base cannot decode through `fastgrpo::nf4_lora_linear`
+    (None: it can): an 8-bit base, a weight in bitsandbytes' CPU layout, a call outside the kernel's domain."""
+    weight = layer.base_layer.weight
+    copy = "merge_lora='all' merges it into a bf16 copy"
+    if type(weight).__name__ != "Params4bit":
+        return f"8-bit quantized base ({copy})"
+    state = weight.quant_state
+    if getattr(state, "quant_type", None) not in ("nf4", "fp4"):
+        return "4-bit base without an nf4 or fp4 quantization state"
+    if getattr(state, "packing_format_for_cpu", False):
+        return "4-bit weight repacked for bitsandbytes' CPU kernel (set support_avx512bf16_for_cpu = False on each " \
+               "Linear4bit)"
+    rank = sum(layer.lora_A[name].weight.shape[0] for name in _active(layer))
+    why = kernel_obstacle(weight, int(state.blocksize), layer.in_features, rank)
+    return None if why is None else f"4-bit base not taken by the 4-bit kernel ({why}; {copy})"
+
+
+def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
+    """(why this LoRA layer decodes through PEFT's forward, None where it does not; whether it decodes through the
+    4-bit kernel rather than a merged weight). Mode "float" takes 4-bit bases to the kernel; "all" merges every
+    quantized base into a copy."""
+    base = layer.base_layer
+    weight = getattr(base, "weight", None)
+    if _is_quantized(weight):
+        why = _adapter_obstacle(layer)
+        if why is None and mode != "all":
+            return _four_bit_obstacle(layer), True
+        return why, False
+    if type(base) is not nn.Linear:
+        return f"base layer is {type(base).__name__}, not nn.Linear", False
+    if not weight.is_floating_point():
+        return f"base weight of dtype {weight.dtype}", False
+    return _adapter_obstacle(layer), False
+
+
+# Inputs of more rows than this (a prefill) skip the 4-bit kernel for PEFT's forward (bitsandbytes dequantizes the
+# weight once, then one GEMM): the kernel reads the packed weight again for every 64 rows. By bytes moved the two
+# meet near 576 rows; not timed.
+FOUR_BIT_KERNEL_MAX_ROWS = 256
+
+
+class FourBitLoRALinear(nn.Module):
+    """What decodes in place of a PEFT LoRA linear over a bitsandbytes 4-bit (nf4 or fp4) base while
+    `MergedAdapters.swapped()` runs: `fastgrpo::nf4_lora_linear` on the live packed weight, its quantization state,
+    the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
+    result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
+    (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
+    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        base = layer.base_layer
+        self.__dict__["layer"] = layer  # not a submodule: the LoRA layer is out of the model while this stands in
+        self.in_features = layer.in_features
+        self.compute_dtype = getattr(base, "compute_dtype", None)
+        self.packed = base.weight.detach()
+        self.quant = quant_state_args(base.weight.quant_state)
+        self.bias = None if base.bias is None else base.bias.detach()
+        self.joined = len(_active(layer)) > 1
+        a, b, self.scaling = lora_factors(layer)
+        self.lora_a, self.lora_b = a.detach(), b.detach()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Joined factors take the adapters' current values (one adapter is read live: nothing to do)."""
+        if self.joined:
+            a, b, _ = lora_factors(self.layer)
+            self.lora_a.copy_(a)
+            self.lora_b.copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
+            return self.layer(x)
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), self.packed, **self.quant, lora_a=self.lora_a,
+                              lora_b=self.lora_b, scaling=self.scaling, bias=self.bias)
+        return out.to(x.dtype)
+
+
+def _four_bit_key(layer: nn.Module) -> tuple:
+    """What a `FourBitLoRALinear` holds of a layer: when any of it is another tensor, or a scaling changed, it is
+    built again (and graphs that captured the old one are stale)."""
+    base = layer.base_layer
+    tensors = [base.weight, base.bias] + [f[n].weight for n in _active(layer) for f in (layer.lora_A, layer.lora_B)]
+    return (id(base.weight.quant_state), tuple(None if t is None else t.data_ptr() for t in tensors),
+            tuple(float(layer.scaling[n]) for n in _active(layer)))
 
 
 def _is_lora_linear(module: nn.Module) -> bool:
@@ -137,7 +222,7 @@ class _Merge:
     parent: nn.Module
     name: str
     layer: nn.Module  # the LoRA layer, put back afterwards
-    linear: nn.Linear  # what decodes in its place: the base layer itself (in place) or a linear over a copy
+    linear: nn.Module  # what decodes in its place: the base (in place), a linear over a copy, a FourBitLoRALinear
     in_place: bool = False  # the base weight itself holds the merged values during the call
     fixes: tuple | None = None  # in place, while merged: (flat indices, original values) the undo would miss
     checksum: torch.Tensor | None = None  # in place, while merged: the sum of the original weight's bits
@@ -148,6 +233,9 @@ class MergedAdapters:
     deltas (PEFT's `get_delta_weight`), rounded once to the base's compute dtype. A decode step then runs one GEMM a
     projection, as a sampler given merged weights does (TRL's vLLM path merges the adapters too); the trainer adds
     the two in its own order, so sampler and trainer log-probs differ by rounding (logged as the sampler agreement).
+    A LoRA linear over a bitsandbytes 4-bit base (QLoRA) is replaced, in mode "float", by a `FourBitLoRALinear`
+    instead: one `fastgrpo::nf4_lora_linear` launch reads the packed 4-bit weight and adds the LoRA product, with no
+    dequantized copy (where the kernel runs: CUDA tensors, or Triton's interpreter).
 
     Where the merged weight lives:
     - in place, for a frozen floating-point base weight no other module shares: W <- round(W + delta) for the call,
@@ -160,8 +248,12 @@ class MergedAdapters:
     - in a joined copy for an attention's q, k and v that all merge (`joined.py`, while `JOIN_QKV`): one GEMM for
       the three.
 
+    Every LoRA layer with active adapters is counted once after `swapped()` enters: `merged_layers` (merged
+    weights), `nf4_layers` (the 4-bit kernel), `not_merged` (reason -> layers left to PEFT's own forward).
+
     Args:
-        mode: "float" merges layers with a floating-point base; "all" also quantized bases; "none" merges nothing.
+        mode: "float" merges layers with a floating-point base and decodes those with a 4-bit base through the 4-bit
+            kernel; "all" merges quantized bases too (into bf16 copies); "none" swaps nothing (PEFT's forward).
     """
 
     def __init__(self, mode: str = "float"):
@@ -169,6 +261,8 @@ class MergedAdapters:
         self._entries: list[_Merge] = []
         self._key: tuple = ()
         self.not_merged: dict[str, int] = {}  # reason -> LoRA layers left to the adapters' own forward
+        self.merged_layers = 0  # LoRA layers decoding from merged weights
+        self.nf4_layers = 0  # LoRA layers decoding through fastgrpo::nf4_lora_linear (4-bit bases, mode "float")
         self.version = 0  # bumped when the decoding weights are new tensors (graphs that read the old ones are stale)
 
     @property
@@ -176,21 +270,23 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if e.linear is not e.layer.base_layer:
-                weight = e.linear.joined.weight if hasattr(e.linear, "joined") else e.linear.weight
-                copies[id(weight)] = weight
+            if isinstance(e.linear, FourBitLoRALinear) or e.linear is e.layer.base_layer:
+                continue
+            weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
+            copies[id(weight)] = weight
         return list(copies.values())
 
     @property
     def joined_groups(self) -> int:
         """Groups of projections decoding as one GEMM (`joined.py`)."""
-        return len({id(e.linear.joined) for e in self._entries if hasattr(e.linear, "joined")})
+        return len({id(e.linear.joined) for e in self._entries if isinstance(e.linear, JoinedSlice)})
 
     def release(self) -> None:
         self._entries, self._key = [], ()
         self.version += 1
 
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, bool]]:
+        """(parent, name, LoRA layer, whether it decodes through the 4-bit kernel) of the layers swapped; counts."""
         targets, not_merged = [], {}
         for parent in model.modules():
             for name, child in parent._modules.items():
@@ -198,12 +294,14 @@ class MergedAdapters:
                     continue
                 if not any(a in child.lora_A for a in child.active_adapters):
                     continue
-                reason = _merge_obstacle(child, quantized=self.mode == "all")
+                reason, four_bit = _obstacle(child, self.mode)
                 if reason is None:
-                    targets.append((parent, name, child))
+                    targets.append((parent, name, child, four_bit))
                 else:
                     not_merged[reason] = not_merged.get(reason, 0) + 1
         self.not_merged = not_merged
+        self.nf4_layers = sum(t[3] for t in targets)
+        self.merged_layers = len(targets) - self.nf4_layers
         return targets
 
     @staticmethod
@@ -223,7 +321,9 @@ class MergedAdapters:
         linear.bias = base.bias
         return linear
 
-    def _entry(self, parent: nn.Module, name: str, layer: nn.Module, shared: set[int]) -> _Merge:
+    def _entry(self, parent: nn.Module, name: str, layer: nn.Module, four_bit: bool, shared: set[int]) -> _Merge:
+        if four_bit:
+            return _Merge(parent, name, layer, FourBitLoRALinear(layer))
         base = layer.base_layer
         weight = base.weight
         in_place = (type(base) is nn.Linear and type(weight) is nn.Parameter and not weight.requires_grad
@@ -248,10 +348,13 @@ class MergedAdapters:
         from peft.utils.integrations import dequantize_module_weight
 
         for e in self._entries:
+            if isinstance(e.linear, FourBitLoRALinear):
+                e.linear.refresh()
+                continue
             delta = self._delta(e.layer)
             if not e.in_place:
                 base = dequantize_module_weight(e.layer.base_layer).to(torch.float32)
-                target = e.linear.merge_weight if hasattr(e.linear, "joined") else e.linear.weight
+                target = e.linear.merge_weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
                 target.copy_(base + delta)
                 if getattr(e.linear, "merge_bias", None) is not None:
                     e.linear.merge_bias.copy_(e.layer.base_layer.bias)
@@ -294,12 +397,13 @@ class MergedAdapters:
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
         if self.mode == "none":
-            self.not_merged = {}
+            self.not_merged, self.merged_layers, self.nf4_layers = {}, 0, 0
             yield 0
             return
         targets = self._targets(model)
-        key = tuple((id(parent), name, id(layer), id(layer.base_layer.weight), tuple(layer.active_adapters))
-                    for parent, name, layer in targets)
+        key = tuple((id(parent), name, id(layer), id(layer.base_layer.weight), tuple(layer.active_adapters),
+                     _four_bit_key(layer) if four_bit else None)
+                    for parent, name, layer, four_bit in targets)
         if key != self._key:
             counts: dict[int, int] = {}
             tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
@@ -308,15 +412,15 @@ class MergedAdapters:
             shared = {ptr for ptr, n in counts.items() if n > 1}
             self._entries = []  # the old copies go before the new are allocated
             joined = {}
-            for group in joinable_groups(targets, self._copy_dtype) if JOIN_QKV else []:
+            merged = [(parent, name, layer) for parent, name, layer, four_bit in targets if not four_bit]
+            for group in joinable_groups(merged, self._copy_dtype) if JOIN_QKV else []:
                 layers = [layer for _, _, layer in group]
                 projections = JoinedProjections([layer.out_features for layer in layers], layers[0].in_features,
                                                 self._copy_dtype(layers[0]), _adapter_device(layers[0]),
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
-            self._entries = [joined.get(id(layer)) or self._entry(parent, name, layer, shared)
-                             for parent, name, layer in targets]
+            self._entries = [joined.get(id(target[2])) or self._entry(*target, shared) for target in targets]
             self._key = key
             self.version += 1
         try:

@@ -3,7 +3,8 @@
 One call: a prefill of the left-padded prompts (eager), then one decode step per token. The decode step is the
 model's own forward (any architecture: `kv.py` says how its attention reaches the cache) with
 
-- LoRA adapters merged into their base weights for the call (`adapters.py`): one GEMM a projection;
+- LoRA adapters merged into their base weights for the call (`adapters.py`): one GEMM a projection; over a 4-bit
+  (QLoRA) base, one launch of the 4-bit kernel reading the packed weight and the adapters;
 - each decoder layer compiled once and shared by every layer of its kind (a layer's cache tensors are its inputs,
   never its index), for the step's pointwise work;
 - the sampling compiled too for large batches (its passes over the logits fused);
@@ -146,7 +147,7 @@ class RolloutEngine:
         compile_limit: graphs the compiled layer may compile before the engine gives up (`RecompileStorm`).
         backend_options: the backend's `options` (e.g. the fastgrpo backend's patterns).
         verify: on the first call, check the engine's logits against the model's own forward (`EngineMismatch`).
-        merge_lora: which LoRA layers decode from merged weights (`MergedAdapters`: "float", "all", "none").
+        merge_lora: how LoRA layers decode (`MergedAdapters`: "float", "all", "none").
         compile_sampling: compile the decode step's sampling too, for batches of COMPILED_SAMPLING_ROWS rows and
             more (inductor, or eager when `backend` is "eager"): its passes over the [rows, vocab] logits fuse;
             default: when the layers compile.

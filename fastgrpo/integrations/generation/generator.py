@@ -72,9 +72,11 @@ class EmbeddedGenerator:
         check_finished_every: decode steps between host reads of how many rows still run; default 16 on CUDA, 1 on
             CPU (where a read costs nothing).
         min_batch: the fewest rows a step runs once finished rows drop out (smaller batches save little).
-        merge_lora: LoRA layers decoded from their weights with the adapters merged in: "float" (floating-point
-            bases, merged in place and undone exactly), "all" (bitsandbytes-quantized bases too, into a bf16 copy),
-            "none" (the adapters' own forward). See `MergedAdapters`.
+        merge_lora: how LoRA layers decode: "float" (the default: floating-point bases with the adapters merged in
+            place and undone exactly; bitsandbytes 4-bit bases (QLoRA) through fastgrpo's 4-bit kernel, which reads
+            the packed weight and adds the LoRA product in one launch, no dequantized copy; on CUDA), "all" (every
+            base merged, quantized ones into a bf16 copy held while the generator lives), "none" (the adapters' own
+            forward). `lora_decoding` says which layers decoded how. See `MergedAdapters`.
         compile_sampling: compile the decode step's sampling as well; default: when the layers compile.
     """
 
@@ -119,6 +121,18 @@ class EmbeddedGenerator:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def lora_decoding(self) -> dict | None:
+        """How the last engine call decoded the LoRA layers with active adapters: {"merge_lora": the mode,
+        "merged": layers from merged weights, "nf4_kernel": layers through the 4-bit kernel, "adapters_forward":
+        {reason: layers left to PEFT's own forward}} (with "none" nothing is counted: every layer runs PEFT's
+        forward); None before the engine's first call or once it fell back to model.generate."""
+        if self.engine is None:
+            return None
+        merged = self.engine._merged
+        return {"merge_lora": merged.mode, "merged": merged.merged_layers, "nf4_kernel": merged.nf4_layers,
+                "adapters_forward": dict(merged.not_merged)}
 
     def _new_engine(self, compiled: bool) -> RolloutEngine:
         on_cuda = self.device.type == "cuda"
@@ -208,7 +222,7 @@ class EmbeddedGenerator:
         reasons = "; ".join(f"{count} with {reason}" for reason, count in not_merged.items())
         warnings.warn(
             f"fastgrpo: the rollout engine decodes some LoRA layers of {type(decoder).__name__} with the adapters' own "
-            f"forward (two extra GEMMs each) instead of merged weights: {reasons}.",
+            f"forward (two extra GEMMs each) instead of merged weights or fastgrpo's 4-bit kernel: {reasons}.",
             GenerationFallbackWarning,
             stacklevel=3,
         )

@@ -110,10 +110,12 @@ class GRPOConfig(TRLGRPOConfig):
     fastgrpo_generation_merge_lora: str = field(
         default="float",
         metadata={
-            "help": "Which LoRA layers the embedded generator decodes from their weights with the adapters merged in "
-            "(one GEMM a projection, as TRL's vLLM path merges them): 'float' (bf16/fp16/fp32 bases, merged in place "
-            "for the call and undone exactly: no copy), 'all' (also QLoRA's 4-bit bases, dequantized into a bf16 "
-            "copy held while training runs), 'none' (the adapters' own forward, in the base's dtype)."
+            "help": "How the embedded generator decodes LoRA layers: 'float' (bf16/fp16/fp32 bases with the adapters "
+            "merged in, one GEMM a projection as TRL's vLLM path merges them: in place for the call and undone "
+            "exactly, no copy; QLoRA's bitsandbytes 4-bit bases through fastgrpo's 4-bit kernel on CUDA, which reads "
+            "the packed weight and adds the LoRA product in one launch, no dequantized copy), 'all' (every base "
+            "merged, 4-bit ones dequantized into a bf16 copy held while training runs), 'none' (the adapters' own "
+            "forward, in the base's dtype)."
         },
     )
     fastgrpo_mini_batch: int | str | None = field(

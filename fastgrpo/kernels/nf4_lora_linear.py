@@ -1,0 +1,456 @@
+"""A QLoRA linear for decode steps: the 4-bit (NF4) base weight read packed, the LoRA product added in the same launch.
+
+`nf4_lora_linear(x, packed, absmax, code, shape=(N, K), blocksize=64, nested_absmax=, nested_code=, offset=,
+nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None)`:
+
+    out[M, N] = x[M, K] @ W[N, K]^T + scaling * (x @ lora_a^T)[M, r] @ lora_b^T[r, N] (+ bias[N])
+
+in x's dtype (bf16, fp16 or fp32), fp32 accumulation; x [..., K] -> [..., N]. One adapter: lora_a [r, K],
+lora_b [N, r] (PEFT's lora_A / lora_B weights, any float dtype: cast in the kernel), or none (lora_a None).
+`nf4_lora_linear_from_module(x, layer)` runs a PEFT LoRA layer over a bitsandbytes `Linear4bit`; it joins several
+active adapters into one (their A's stacked along r, each B scaled by its adapter's scaling).
+
+W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / `dequantize_4bit`):
+- `packed`: the [N, K] weight flattened row-major, two elements a byte, element 2i in the high nibble and 2i+1 in
+  the low one ((N*K+1)//2 bytes, held as [(N*K+1)//2, 1] uint8 or viewed as another `quant_storage` dtype).
+- element e = n*K + k has code index c (its nibble) and block e // blocksize; W[n, k] = code[c] * absmax[block],
+  `code` the 16 fp32 levels of `QuantState.code` (NF4's table; FP4's is a 16-entry table too), the product in fp32,
+  then rounded to x's dtype (as bitsandbytes dequantizes before its matmul).
+- double quantization (`compress_statistics=True`, QLoRA's default): `absmax` holds uint8 codes and the block
+  scale is nested_code[absmax[b]] * nested_absmax[b // nested_blocksize] + offset (fp32; nested_code is the
+  256-entry dynamic map `state2.code`, nested_blocksize `state2.blocksize` = 256, offset a 0-d fp32 tensor).
+
+Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns,
+so a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks both nibbles
+of the step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1),
+scales them, sets the even and odd columns side by side (`tl.join`) and multiplies x's [BM, BK] tile by the
+[BN, BK] result in one `tl.dot` (M padded to 16: tensor cores at every M; the weight cast to x's dtype as
+bitsandbytes casts it). A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so
+that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along
+on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is
+linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not
+split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter; the last
+program of a tile sums all the tile's partials (its own read back) in split order, adds the bias, writes the output
+and resets the counter (the counters need no clearing between calls, and a captured call replays as is). The sum's
+order does not depend on which program arrives last: a call's result is deterministic, eager or captured.
+Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
+op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
+
+MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
+# Launch settings of CUDA calls (bench/bench_nf4_linear.py --sweep times others). At BN 64 and 4 warps, sm_90 code
+# takes 130-170 registers and spills nothing; BN 128 needs 8 warps (4 spill at 16 rows).
+_PROGRAMS_PER_SM = 2
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_MAX_SPLITS = 32
+_COUNTERS = 16384  # tiles a split call may use
+_REDUCE_ELEMENTS = 8192  # partial values the split-K sum loads at a time (see _reduce_rows)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, BLOCKSIZE: tl.constexpr,
+                NESTED_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr):
+    """What a step reads from HBM: its [BN, BK/2] packed bytes, each row's block statistic (the fp32 absmax, or the
+    uint8 code of a double-quantized one and its nested absmax). A step at or past k_hi loads nothing."""
+    ok = n_ok & (tl.zeros_like(first_block) + k < k_hi)  # (a tensor compare: the interpreter's scalar one is no mask)
+    packed = tl.load(w_rows + (k // 2 + j)[None, :], mask=ok[:, None], other=0)
+    block = first_block + k // BLOCKSIZE
+    stat = tl.load(absmax_ptr + block, mask=ok, other=0)
+    if NESTED:
+        nested = tl.load(absmax2_ptr + block // NESTED_BLOCKSIZE, mask=ok, other=0.0)
+    else:
+        nested = stat
+    return packed, stat, nested
+
+
+@triton.jit
+def _nf4_lora_linear_kernel(
+    x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
+    out_ptr, part_ptr, count_ptr,
+    M, N, K, K_PER_SPLIT, RANK, scaling,
+    sxm, sxk, sar, sak, sbn, sbr, som,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+    R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr,
+):  # fmt: skip
+    # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
+    # step of a weight row lies in one quantization block.
+    # A step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step ahead,
+    # carried in registers: the table lookups (gathers whose addresses are those bytes) and the dots then never wait
+    # on HBM or L2.
+    # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
+    # every value is fp32 and the dots run in full fp32 (fp32 x, and the interpreter, whose half arithmetic is wrong).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, BK // 2)
+    kk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+    first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
+    if NESTED:
+        offset = tl.load(offset_ptr).to(tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if LORA:
+        rr = tl.arange(0, R_PAD)
+        r_ok = rr < RANK
+        a_rows = a_ptr + rr[:, None] * sar
+        xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
+    p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
+    if LORA:
+        a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
+    for k in range(k_lo, k_hi, BK):
+        packed, stat, nested = p1, s1, t1
+        x = x1
+        x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+                     other=0.0)
+        if LORA:
+            a = a1
+            a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak, mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+                         other=0.0)
+        p1, s1, t1 = p2, s2, t2
+        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
+                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+        if NESTED:
+            scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
+        else:
+            scale = stat.to(tl.float32)
+        w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
+        w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
+        w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
+        if NATIVE:
+            acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        else:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if LORA:
+            if NATIVE:
+                xa = tl.dot(x, tl.trans(a.to(x_ptr.dtype.element_ty)), xa)
+            else:
+                xa = tl.dot(x, tl.trans(a.to(tl.float32)), xa, input_precision="ieee")
+    if LORA:
+        b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        xa = xa * scaling
+        if NATIVE:
+            acc = tl.dot(xa.to(x_ptr.dtype.element_ty), tl.trans(b.to(x_ptr.dtype.element_ty)), acc)
+        else:
+            acc = tl.dot(xa, tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLITS == 1:
+        if BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        plane = (tl.zeros((), dtype=tl.int64) + M) * N  # one split's [M, N] partials (64-bit offsets)
+        partial = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(partial + pid_k * plane, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count says so
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            # The tile's last program sums every split's partial, its own read back too, in the fixed order
+            # 0..SPLITS-1: the result does not depend on which program arrived last, so it is the same bits run to
+            # run, eager or replayed in a CUDA graph. REDUCE_ROWS rows at a time, each chunk's SPLITS loads unrolled
+            # (issued back to back) and bounded to ~64 registers a thread; the chunk loop is not unrolled, so the
+            # loads of later chunks are not hoisted beside them (spills).
+            if BIAS:
+                bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            for r0 in tl.range(0, BM, REDUCE_ROWS, loop_unroll_factor=1):
+                rows = pid_m * BM + r0 + tl.arange(0, REDUCE_ROWS)
+                chunk_mask = (rows < M)[:, None] & n_ok[None, :]
+                chunk = part_ptr + rows.to(tl.int64)[:, None] * N + rn[None, :]
+                total = tl.load(chunk, mask=chunk_mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):
+                    total += tl.load(chunk + s * plane, mask=chunk_mask, other=0.0, cache_modifier=".cg")
+                if BIAS:
+                    total += bias[None, :]
+                out = out_ptr + rows.to(tl.int64)[:, None] * som + rn[None, :]
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=chunk_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
+    """Tiles and K splits of one call, from static shapes only. Every row in one tile up to 64 rows (the weight
+    is read once), _BLOCK_N (64) output columns a tile, steps of min(blocksize, 128) columns of K.
+    Rule: splits = min(ceil(2 * SMs / tiles), K / (2 * BK), 32), so that tiles x splits is ~2 programs per SM and
+    each split walks at least two steps (1.5B shapes on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12,
+    8960x1536 -> 2, 1536x8960 -> 11)."""
+    bm = min(64, max(16, next_power_of_2(m)))
+    bn = _BLOCK_N
+    bk = min(blocksize, 128)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), tiles)
+    splits = max(1, min(want, k // (2 * bk), _MAX_SPLITS))
+    if tiles > _COUNTERS:
+        splits = 1
+    k_per_split = cdiv(cdiv(k, splits), bk) * bk
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split)
+
+
+def _reduce_rows(bm: int, bn: int, splits: int) -> int:
+    """Rows of a tile the split-K sum takes at a time: its SPLITS fp32 [rows, BN] loads hold at most _REDUCE_ELEMENTS
+    values (64 registers a thread at 4 warps), a power of 2 dividing BM."""
+    rows = max(1, _REDUCE_ELEMENTS // (bn * splits))
+    return min(bm, 1 << (rows.bit_length() - 1))
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """Per-tile arrival counters, zero between calls (each tile's last program resets its own). One buffer per
+    device for the process: calls on one stream run one after another. Made at the first split call on the device,
+    which must not be inside a CUDA graph capture (the buffer would live in the graph's pool)."""
+    buffer = _counters.get(device)
+    if buffer is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fastgrpo nf4_lora_linear: call it once outside CUDA graph capture first (warm-up)")
+        buffer = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return buffer
+
+
+def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, config=None):
+    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests)."""
+    m, k = x2.shape
+    config = config or launch_config(m, n, k, blocksize, x2.device)
+    splits = config["splits"]
+    out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if splits > 1 else out
+    grid = (cdiv(n, config["BN"]), splits, cdiv(m, config["BM"]))
+    if splits > 1 and grid[0] * grid[2] > _COUNTERS:
+        raise ValueError(f"{grid[0] * grid[2]} tiles need more than the {_COUNTERS} counters; split K less")
+    counters = _counter_buffer(x2.device) if splits > 1 else out
+    nested = nested_absmax is not None
+    lora = lora_a is not None
+    rank = lora_a.shape[0] if lora else 0
+    cuda = launch_like_cuda(x2)
+    _nf4_lora_linear_kernel[grid](
+        x2, packed, absmax, code, nested_absmax if nested else absmax, nested_code if nested else code,
+        offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
+        out, part, counters,
+        m, n, k, config["k_per_split"], rank, float(scaling),
+        x2.stride(0), x2.stride(1), lora_a.stride(0) if lora else 0, lora_a.stride(1) if lora else 0,
+        lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
+        BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
+        R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
+        NATIVE=cuda and x2.dtype != torch.float32, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        num_warps=_NUM_WARPS if cuda else 1,
+        num_stages=_NUM_STAGES if cuda else 1,
+    )  # fmt: skip
+    return out
+
+
+def _block_scales(absmax, nested_absmax, nested_code, offset, nested_blocksize):
+    """The fp32 scale of every quantization block, the nested ones dequantized as bitsandbytes does."""
+    if nested_absmax is None:
+        return absmax.reshape(-1).float()
+    q = absmax.reshape(-1).long()
+    nested = nested_absmax.reshape(-1).float().repeat_interleave(nested_blocksize)[: q.numel()]
+    return nested_code.float()[q] * nested + offset.float()
+
+
+def _dequantize(packed, absmax, code, nested_absmax=None, nested_code=None, offset=None, blocksize=64,
+                nested_blocksize=256, shape=None, dtype=torch.float32):
+    n, k = shape
+    flat = packed.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    index = torch.stack([flat >> 4, flat & 0xF], dim=-1).reshape(-1)[: n * k].long()
+    scales = _block_scales(absmax, nested_absmax, nested_code, offset, nested_blocksize)
+    values = code.float()[index] * scales.repeat_interleave(blocksize)[: n * k]
+    return values.reshape(n, k).to(dtype)
+
+
+def reference_dequantize_nf4(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The [N, K] weight of bitsandbytes' packed 4-bit tensor and its `QuantState` in plain torch (see the module
+    docstring), in `dtype` (default: the state's dtype): bit-exact with `bitsandbytes.functional.dequantize_4bit`."""
+    return _dequantize(packed, **quant_state_args(quant_state), dtype=dtype or quant_state.dtype)
+
+
+def reference_nf4_lora_linear(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
+                              nested_blocksize, shape, lora_a, lora_b, scaling, bias,
+                              compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The op's maths in plain torch: the weight dequantized and rounded to x's dtype, then the products, the LoRA
+    term and the bias in `compute_dtype`; returns [..., N] in `compute_dtype` (not rounded to x's dtype)."""
+    w = _dequantize(packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, shape,
+                    x.dtype)
+    xc = x.to(compute_dtype)
+    out = F.linear(xc, w.to(compute_dtype))
+    if lora_a is not None:
+        out = out + scaling * F.linear(F.linear(xc, lora_a.to(compute_dtype)), lora_b.to(compute_dtype))
+    if bias is not None:
+        out = out + bias.to(compute_dtype)
+    return out
+
+
+def kernel_obstacle(t: torch.Tensor, blocksize: int, k: int, rank: int) -> str | None:
+    """Why a call on tensors on t's device, with this blocksize, K and LoRA rank (0: none), would run the torch
+    reference instead of the kernel (None: the kernel runs)."""
+    if not use_triton(t):
+        return f"on {t.device.type}, the kernel runs on CUDA"
+    if k % blocksize:
+        return "in_features not a multiple of the blocksize"
+    if rank > MAX_RANK:
+        return f"LoRA rank above {MAX_RANK}"
+    return None
+
+
+def _takes_triton(x2, blocksize, k, lora_a) -> bool:
+    return kernel_obstacle(x2, blocksize, k, 0 if lora_a is None else lora_a.shape[0]) is None
+
+
+@torch.library.custom_op("fastgrpo::nf4_lora_linear", mutates_args=())
+def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                        nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                        offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
+                        lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        out = x2.new_empty(0, out_features)
+    elif _takes_triton(x2, blocksize, k, lora_a):
+        out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
+                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias)
+    else:
+        out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
+                                        nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
+                                        bias).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+@_nf4_lora_linear_op.register_fake
+def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
+      lora_a, lora_b, scaling, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def quant_state_args(quant_state) -> dict:
+    """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, shape,
+    blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize, offset."""
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        raise ValueError("this 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an eval no-grad "
+                         "forward on an AVX512-BF16 CPU); set the Linear4bit's support_avx512bf16_for_cpu = False "
+                         "before its first forward to keep bitsandbytes' layout")
+    if quant_state.quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"quant_type {quant_state.quant_type!r}: a 4-bit state (nf4 or fp4) is needed")
+    args = dict(absmax=quant_state.absmax, code=quant_state.code, shape=tuple(quant_state.shape),
+                blocksize=int(quant_state.blocksize))
+    if quant_state.nested:
+        args.update(nested_absmax=quant_state.state2.absmax, nested_code=quant_state.state2.code,
+                    nested_blocksize=int(quant_state.state2.blocksize), offset=quant_state.offset)
+    return args
+
+
+def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, *,
+                    shape: tuple[int, int], blocksize: int = 64, nested_absmax: torch.Tensor | None = None,
+                    nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+                    nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
+                    lora_b: torch.Tensor | None = None, scaling: float = 1.0,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. For
+    sampling only: no autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
+    tensors = (x, lora_a, lora_b, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fastgrpo::nf4_lora_linear takes float32, float16 or bfloat16 x, got {x.dtype}")
+    n, k = (int(s) for s in shape)
+    if x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
+    flat = packed.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)  # another quant_storage dtype: the same bytes
+    if flat.numel() != (n * k + 1) // 2:
+        raise ValueError(f"{flat.numel()} packed bytes for a ({n}, {k}) weight: expected {(n * k + 1) // 2}")
+    if blocksize <= 0 or blocksize & (blocksize - 1) or blocksize < 32:
+        raise ValueError(f"blocksize {blocksize}: a power of 2 of at least 32 (bitsandbytes' 4-bit blocksizes)")
+    if absmax.numel() != cdiv(n * k, blocksize) or code.numel() != 16:
+        raise ValueError(f"absmax of {absmax.numel()} blocks and a code of {code.numel()} levels: expected "
+                         f"{cdiv(n * k, blocksize)} and 16")
+    nested = (nested_absmax, nested_code, offset)
+    if any(t is not None for t in nested):
+        if any(t is None for t in nested) or absmax.dtype != torch.uint8:
+            raise ValueError("double quantization needs uint8 absmax codes, nested_absmax, nested_code and offset")
+        if nested_absmax.numel() != cdiv(absmax.numel(), nested_blocksize) or nested_code.numel() != 256:
+            raise ValueError(f"nested_absmax of {nested_absmax.numel()} blocks and nested_code of "
+                             f"{nested_code.numel()} levels: expected {cdiv(absmax.numel(), nested_blocksize)}, 256")
+        offset = offset.reshape(())
+    elif absmax.dtype == torch.uint8:
+        raise ValueError("uint8 absmax is double-quantized: pass nested_absmax, nested_code and offset")
+    if (lora_a is None) != (lora_b is None):
+        raise ValueError("pass both lora_a and lora_b, or neither")
+    if lora_a is not None:
+        r = lora_a.shape[0]
+        if lora_a.shape != (r, k) or lora_b.shape != (n, r):
+            raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)}: expected ({r}, {k}) "
+                             f"and ({n}, {r})")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
+    return _nf4_lora_linear_op(x, flat, absmax.reshape(-1), code.reshape(-1).float(),
+                               None if nested_absmax is None else nested_absmax.reshape(-1).float(),
+                               None if nested_code is None else nested_code.reshape(-1).float(), offset,
+                               int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias)
+
+
+def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(A, B, scaling) of a PEFT LoRA layer's active adapters as one adapter: (None, None, 1.0) when adapters are
+    disabled, merged or none is active; one adapter as it is; several joined, A's stacked along r and each B scaled
+    by its adapter's scaling (scaling 1.0). Dropout is not applied (sampling runs adapters as in eval mode).
+    Variants (DoRA, ...), LoRA biases and mixed-adapter batches are refused."""
+    if layer.disable_adapters or layer.merged:
+        return None, None, 1.0
+    factors = []
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
+            raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA, ...): only plain LoRA runs in nf4_lora_linear")
+        if layer.lora_B[name].bias is not None:
+            raise ValueError(f"adapter {name!r} has a LoRA bias: not supported by nf4_lora_linear")
+        factors.append((layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])))
+    if not factors:
+        return None, None, 1.0
+    if len(factors) == 1:
+        return factors[0]
+    dtype = torch.promote_types(factors[0][0].dtype, factors[0][1].dtype)
+    a = torch.cat([f[0].to(dtype) for f in factors])
+    b = torch.cat([f[1].to(dtype) * f[2] for f in factors], dim=1)
+    return a, b, 1.0
+
+
+def nf4_lora_linear_from_module(x: torch.Tensor, layer) -> torch.Tensor:
+    """What PEFT's LoRA `layer` over a bitsandbytes `Linear4bit` computes for x (its active adapters, their scaling,
+    the base's bias), through `nf4_lora_linear`, in the base's compute dtype (x's dtype if unset) and returned in
+    x's dtype, as bitsandbytes does. A bare `Linear4bit` runs without LoRA."""
+    import bitsandbytes as bnb
+
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    if not isinstance(base, bnb.nn.Linear4bit):
+        raise TypeError(f"{type(base).__name__} is not a bitsandbytes Linear4bit")
+    a, b, scaling = lora_factors(layer) if base is not layer else (None, None, 1.0)
+    dtype = getattr(base, "compute_dtype", None) or x.dtype
+    weight = base.weight
+    out = nf4_lora_linear(x.to(dtype), weight.data, **quant_state_args(weight.quant_state), lora_a=a, lora_b=b,
+                          scaling=scaling, bias=base.bias)
+    return out.to(x.dtype)
