@@ -675,3 +675,28 @@ def test_trainer_flag_auto_means_cuda_with_checkpointing(tmp_path):
     assert on("cpu", gradient_checkpointing=True, fastgrpo_offload_checkpointing="true")
     with pytest.raises(ValueError, match="use True, False or 'auto'"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_offload_checkpointing="sometimes")
+
+
+@pytest.mark.parametrize("cpus, env, expected", [
+    (16, {}, "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"),
+    (64, {}, "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"),
+    (6, {}, "pinned_use_cuda_host_register:True,pinned_num_register_threads:4"),
+    (1, {}, "pinned_use_cuda_host_register:True,pinned_num_register_threads:1"),
+    (16, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_use_background_threads:True"}, None),
+    (16, {"PYTORCH_ALLOC_CONF": "pinned_num_register_threads:2"}, None),
+])
+def test_fast_pinning_once_a_process_a_power_of_two_of_threads_and_never_over_the_users_setting(
+        cpus, env, expected, monkeypatch):
+    from fastgrpo.compiler import offload
+
+    applied = []
+    monkeypatch.setattr(offload, "_fast_pinning_done", False)
+    monkeypatch.setattr(offload.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", applied.append)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert offload.fast_pinning() == expected
+    assert offload.fast_pinning() is None  # once
+    assert applied == ([expected] if expected else [])
