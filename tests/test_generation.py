@@ -53,6 +53,15 @@ def hf_greedy(model, prompt_ids, max_new_tokens, eos=EOS, **generate_kwargs):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 
+def fallback_notes_of_two_calls(generator, expected) -> list[str]:
+    """Two greedy calls of `generator` on prompts(), each giving `expected`; the GenerationFallbackWarnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert generator.generate(prompts(), temperature=0) == expected
+        assert generator.generate(prompts(), temperature=0) == expected
+    return [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @pytest.mark.parametrize("adapter", [False, True], ids=["base", "lora"])
 def test_greedy_matches_model_generate(arch, adapter):
@@ -252,12 +261,8 @@ def test_layers_that_cannot_merge_decode_unmerged_with_one_warning():
             p.data.mul_(1.5)
     expected = hf_greedy(model, prompts(), 12, eos=VOCAB + 1)
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert generator.generate(prompts(), temperature=0) == expected
-        assert generator.generate(prompts(), temperature=0) == expected
-    notes = [w for w in caught if issubclass(w.category, GenerationFallbackWarning)]
-    assert len(notes) == 1 and "4 with a LoRA variant (DoRA" in str(notes[0].message), [str(w.message) for w in notes]
+    notes = fallback_notes_of_two_calls(generator, expected)
+    assert len(notes) == 1 and "4 with a LoRA variant (DoRA" in notes[0], notes
     assert generator.engine._merged._entries == []
 
 
@@ -790,11 +795,7 @@ def test_qlora_layers_the_kernel_does_not_take_are_left_to_peft_with_the_reason(
         assert count == QLORA_LAYERS and reason.startswith("4-bit base not taken by the 4-bit kernel (on cpu")
     expected = hf_greedy(plain, prompts(), 4, eos=VOCAB + 1)
     generator = EmbeddedGenerator(plain, PAD, [VOCAB + 1], max_new_tokens=4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert generator.generate(prompts(), temperature=0) == expected
-        assert generator.generate(prompts(), temperature=0) == expected
-    notes = [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+    notes = fallback_notes_of_two_calls(generator, expected)
     assert len(notes) == 1 and f"{QLORA_LAYERS} with 4-bit base not taken by the 4-bit kernel" in notes[0], notes
 
 

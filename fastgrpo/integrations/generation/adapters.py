@@ -292,7 +292,7 @@ class MergedAdapters:
             for name, child in parent._modules.items():
                 if child is None or not _is_lora_linear(child) or child.disable_adapters or child.merged:
                     continue
-                if not any(a in child.lora_A for a in child.active_adapters):
+                if not _active(child):
                     continue
                 reason, four_bit = _obstacle(child, self.mode)
                 if reason is None:
@@ -337,10 +337,9 @@ class MergedAdapters:
         """The active adapters' summed delta in fp32, computed the same way at merge and undo (autocast off)."""
         total = None
         with torch.autocast(_adapter_device(layer).type, enabled=False):
-            for name in layer.active_adapters:
-                if name in layer.lora_A:
-                    delta = layer.get_delta_weight(name).to(torch.float32)
-                    total = delta if total is None else total + delta
+            for name in _active(layer):
+                delta = layer.get_delta_weight(name).to(torch.float32)
+                total = delta if total is None else total + delta
         return total
 
     @torch.no_grad()
@@ -354,10 +353,12 @@ class MergedAdapters:
             delta = self._delta(e.layer)
             if not e.in_place:
                 base = dequantize_module_weight(e.layer.base_layer).to(torch.float32)
-                target = e.linear.merge_weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
-                target.copy_(base + delta)
-                if getattr(e.linear, "merge_bias", None) is not None:
-                    e.linear.merge_bias.copy_(e.layer.base_layer.bias)
+                if isinstance(e.linear, JoinedSlice):  # its rows of the joined weight, and of the joined bias
+                    e.linear.merge_weight.copy_(base + delta)
+                    if e.linear.merge_bias is not None:
+                        e.linear.merge_bias.copy_(e.layer.base_layer.bias)
+                else:  # a copy linear shares the base's bias
+                    e.linear.weight.copy_(base + delta)
                 continue
             weight = e.linear.weight
             merged = (weight.to(torch.float32) + delta).to(weight.dtype)
