@@ -218,8 +218,14 @@ def peak_above(fn):
 
 
 def peak_gib() -> float | None:
-    """The device's peak allocated GiB since reset_peak() (two decimals); None on the CPU."""
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+    """The device's peak allocated GiB since reset_peak(), plus the memory pool that fastgrpo's op graphs keep for
+    their temporaries (fastgrpo/kernels/_graphs.py: reserved, so not counted as allocated while they replay); two
+    decimals; None on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    graphs = sys.modules.get("fastgrpo.kernels._graphs")
+    pool = graphs.graph_pool_bytes() if graphs is not None else 0
+    return round((torch.cuda.max_memory_allocated() + pool) / 2**30, 2)
 
 
 @contextlib.contextmanager

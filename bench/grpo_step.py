@@ -23,6 +23,8 @@ another):
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product): the form on CPU
   fastgrpo_nojoin  the same without the joined-projections pattern (q, k, v and their LoRA A's in six GEMMs)
+  fastgrpo_combo  the same with inductor's combo kernels (independent small kernels of a graph, such as the LoRA
+            factors' casts, launched as one)
   fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, each row a causal segment of
             flash's variable-length attention on CUDA, log-probs only at completion positions); the plan
@@ -75,6 +77,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_nojoin": None,
+    "fastgrpo_combo": {"inductor_config": {"combo_kernels": True}},
     "fastgrpo_packed": None,
     "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,
@@ -317,6 +320,11 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 with GcPauses() as pauses:
                     host_times = []
                     times = timed_steps(step, (ids, mask, adv), model, repeat, host_times=host_times)
+                peak = harness.peak_gib()  # before any A/B block (whose graphs or buffers would count)
+                graphs = sys.modules.get("fastgrpo.kernels._graphs")
+                if graphs is not None and graphs.stats["captured"]:  # op bodies replayed as CUDA graphs
+                    result["op_graphs"] = {**graphs.stats, "pool_mib": round(graphs.graph_pool_bytes() / 2**20),
+                                           "staging_mib": round(graphs.staging_bytes() / 2**20)}
                 for setting in ab:
                     setting, _, lengths = setting.partition("@")
                     if not lengths or completion in {int(c) for c in lengths.split(",")}:
@@ -328,7 +336,7 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             median = statistics.median(times)
             result.update(step_ms=round(median, 1), ms_all=[round(t, 1) for t in times],
                           host_ms_median=round(statistics.median(host_times), 1),
-                          tokens_per_s=round(tokens / median * 1e3), peak_gib=harness.peak_gib())
+                          tokens_per_s=round(tokens / median * 1e3), peak_gib=peak)
             if completion in profile_at:
                 label = f"{shape} {system} completion={completion}"
                 try:  # a diagnostic that fails must not take the row's numbers with it

@@ -41,11 +41,13 @@ def rows_per_chunk(inter: int, dtype: torch.dtype, input_bytes: int | None = Non
     return max(MIN_CHUNK_ROWS, budget // per_row // 128 * 128)
 
 
-def row_chunks(n_rows, inter, dtype, hidden):
-    """(start, end) of each chunk: as few chunks as rows_per_chunk() allows, of equal size up to the last
-    (whole multiples of 128 rows): 34816 rows are five chunks of 7040, not four of 7424 and one of 5120, whose
-    working set would be the larger ones'."""
+def row_chunks(n_rows, inter, dtype, hidden, most_rows=None):
+    """(start, end) of each chunk: as few chunks as rows_per_chunk() (or `most_rows`, if fewer) allows, of equal size
+    up to the last (whole multiples of 128 rows): 34816 rows are five chunks of 7040, not four of 7424 and one of
+    5120, whose working set would be the larger ones'."""
     step = most = rows_per_chunk(inter, dtype, n_rows * hidden * dtype.itemsize)
+    if most_rows is not None and ROWS_PER_CHUNK is None:
+        step = most = min(most, most_rows)
     if ROWS_PER_CHUNK is None and n_rows > most:
         chunks = -(-n_rows // most)
         per_chunk = -(-n_rows // chunks)

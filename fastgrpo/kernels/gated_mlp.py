@@ -46,13 +46,22 @@ import math
 
 import torch
 
-from fastgrpo.kernels import _dispatch
+from fastgrpo.kernels import _dispatch, _graphs
 from fastgrpo.kernels._lora_gemm import (
     add_product_, down_backward, down_forward, down_grads, fused_rows, joined_down_weight, joined_input_grads,
     joined_weight, lora_input_grads, lora_inputs, paired_lora_b, projections_rows, stacked_lora_a,
 )
 from fastgrpo.kernels._row_chunks import accumulate, row_chunks, summed
 from fastgrpo.kernels.act_mul import act_mul_backward_into, act_mul_into, check_activation, rows_unit_stride
+
+
+# Calls replay as CUDA graphs up to this much MLP work (rows x hidden x intermediate): 16384 rows of Qwen2.5-1.5B's
+# MLP. There a 1.5B GRPO step is host-bound (1024-token completions, 10,240 rows); from ~35k rows (4096) it is bound
+# by the GPU, and a graph's staging copies would only add to it.
+GRAPH_MAX_WORK = 16384 * 1536 * 8960
+# Rows a chunk of a replayed call has at most: a graph's launches cost no host time, and its temporaries stay
+# reserved in the graphs' pool, so replayed calls take smaller chunks than the eager ones.
+GRAPH_CHUNK_ROWS = 2048
 
 
 def _check_gated_mlp(x, w_gate, w_up, ga, gb, ua, ub, activation, w_down=None, da=None, db=None):
@@ -135,27 +144,51 @@ def _gated_mlp_op(
     With skip_output_on_recompute, inside a checkpoint's recompute out is zeros (module docstring)."""
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     _check_gated_mlp(x, w_gate, w_up, *factors, activation, w_down, down_lora_a, down_lora_b)
-    inter = w_gate.shape[0]
-    x2d = x.reshape(-1, x.shape[-1])
-    width = _out_width(w_gate, w_down)
     skip_output = skip_output_on_recompute and _dispatch.in_checkpoint_recompute()
     _dispatch.signal_backward_peak()  # the backward calls backward_peak_passed() when its chunk buffers are gone
-    out = (torch.zeros if skip_output else torch.empty)(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
-    out2d = out.view(-1, width)
-    gu = _saved_projections(x, w_gate, save_projections)
-    if skip_output and not save_projections:
-        return out, gu  # the recompute re-saves x: nothing to compute
+    if skip_output and not save_projections:  # the recompute re-saves x: nothing to compute
+        return (torch.zeros(*x.shape[:-1], _out_width(w_gate, w_down), dtype=x.dtype, device=x.device),
+                _saved_projections(x, w_gate, False))
+    x2d = x.reshape(-1, x.shape[-1])
+    if not skip_output and not save_projections and _replays(x2d, w_gate):
+        out, gu = _graphs.replayed(
+            "gated_mlp", lambda rows, lora: _forward(rows[0], w_gate, w_up, *lora[:4], lora_scale, activation, w_down,
+                                                     *lora[4:], down_lora_scale, False, False, GRAPH_CHUNK_ROWS),
+            (w_gate, w_up, w_down), (x2d,), (*factors, down_lora_a, down_lora_b),
+            (lora_scale, activation, down_lora_scale, GRAPH_CHUNK_ROWS), row_outputs=(0,))
+        return out.view(*x.shape[:-1], out.shape[-1]), gu
+    out, gu = _forward(x2d, w_gate, w_up, *factors, lora_scale, activation, w_down, down_lora_a, down_lora_b,
+                       down_lora_scale, save_projections, skip_output)
+    return out.view(*x.shape[:-1], out.shape[-1]), gu
+
+
+def _replays(x2d, w_gate) -> bool:
+    """Whether a call replays as a CUDA graph (kernels/_graphs.py): on CUDA, for row counts whose MLP work (rows x
+    hidden x intermediate) is at most GRAPH_MAX_WORK, where the op's host time is as long as its GPU time."""
+    rows, (inter, hidden) = x2d.shape[0], w_gate.shape
+    return rows > 0 and rows * hidden * inter <= GRAPH_MAX_WORK and _graphs.applies(x2d.device)
+
+
+def _forward(x2d, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation, w_down,
+             down_lora_a, down_lora_b, down_lora_scale, save_projections, skip_output, chunk_rows=None):
+    """The op on x2d [rows, H] (see _gated_mlp_op): (out [rows, width], saved projections); chunks of at most
+    `chunk_rows` rows if given."""
+    factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
+    inter = w_gate.shape[0]
+    width = _out_width(w_gate, w_down)
+    out2d = (torch.zeros if skip_output else torch.empty)(x2d.shape[0], width, dtype=x2d.dtype, device=x2d.device)
+    gu = _saved_projections(x2d, w_gate, save_projections)
     a = stacked_lora_a(factors)
     joined = joined_weight(w_gate, w_up, factors, x2d.shape[0])
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     joined_down = None if skip_output else joined_down_weight(w_down, down, x2d.shape[0])
-    for start, end in row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1]):
+    for start, end in row_chunks(x2d.shape[0], inter, x2d.dtype, x2d.shape[1], chunk_rows):
         if skip_output:
             projections_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, gu[start:end])
         else:
             _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, activation, w_down, down,
                           joined_down, out2d[start:end], gu[start:end] if save_projections else None)
-    return out, gu
+    return out2d, gu
 
 
 @_gated_mlp_op.register_fake
@@ -185,6 +218,30 @@ def _gated_mlp_backward_op(
     of rows: take g and u from saved_projections or recompute them, go back through the down
     projection (recomputing h) when there is one, form dg and du, write the chunk's rows of dx, add
     its share of the weight and LoRA gradients to fp32 accumulators."""
+    saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
+    x2d = x.reshape(-1, x.shape[-1])
+    factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
+    if saved is None and _replays(x2d, w_gate):
+        grads = _graphs.replayed(
+            "gated_mlp_backward",
+            lambda rows, lora: _backward(rows[0], rows[1], w_gate, w_up, *lora[:4], lora_scale, activation, needs,
+                                         w_down, *lora[4:], down_lora_scale, None, GRAPH_CHUNK_ROWS),
+            (w_gate, w_up, w_down), (d_out.reshape(x2d.shape[0], -1), x2d), (*factors, down_lora_a, down_lora_b),
+            (lora_scale, activation, tuple(needs), down_lora_scale, GRAPH_CHUNK_ROWS),
+            row_outputs=(0,) if needs[0] else ())
+    else:
+        grads = _backward(d_out, x, w_gate, w_up, *factors, lora_scale, activation, needs, w_down, down_lora_a,
+                          down_lora_b, down_lora_scale, saved)
+    _dispatch.backward_peak_passed()
+    if needs[0]:
+        grads[0] = grads[0].view(x.shape)
+    return grads
+
+
+def _backward(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation, needs,
+              w_down, down_lora_a, down_lora_b, down_lora_scale, saved, chunk_rows=None):
+    """The backward op's gradients (see _gated_mlp_backward_op); `saved` the projections or None; chunks of at most
+    `chunk_rows` rows if given."""
     need = dict(zip(_GRAD_INPUTS, needs, strict=True))
     ga, gb, ua, ub = factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     hidden, inter = x.shape[-1], w_gate.shape[0]
@@ -193,7 +250,6 @@ def _gated_mlp_backward_op(
     fused = fused_rows(w_gate, w_up)
     a = stacked_lora_a(factors)
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
-    saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
     # The joined weight serves the recompute of g and u and, for dx, the GEMM of [dg | du] (joined_input_grads).
     joined = joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None or need["x"] else None
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
@@ -211,11 +267,10 @@ def _gated_mlp_backward_op(
     acc = {name: None for name, wanted in needed.items() if wanted}
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need["x"] else None
     dx2d = dx.view(-1, hidden) if need["x"] else None
-    for start, end in row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1]):
+    for start, end in row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1], chunk_rows):
         _backward_rows(d_out2d[start:end], x2d[start:end], None if saved is None else saved[start:end],
                        w_gate, w_up, fused, factors, a, lora_scale, joined, activation, w_down, down, x2d.shape[0],
                        need_dxa_g, need_dxa_u, lora_back, dx2d[start:end] if need["x"] else None, acc)
-    _dispatch.backward_peak_passed()
     grads = []
     if need["x"]:
         grads.append(dx)

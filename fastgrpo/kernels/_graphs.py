@@ -1,0 +1,167 @@
+"""Op bodies replayed as CUDA graphs: a host-bound step stops paying their Python and their launches.
+
+At short GRPO completions a training step is bound by the host (H200, Qwen2.5-1.5B, 8 x 1280 tokens: the host
+took 357 ms a step, the GPU was busy 183 ms of it), and the gated-MLP op is the largest share of that host time:
+~20 cuBLAS calls and Triton launches a chunk of rows, 1.5-3 ms a call (a torch.profiler trace of one step:
+`python bench/grpo_step.py --systems fastgrpo --completions 1024 --profile-at 1024`). `replayed` runs such a body
+as a captured CUDA graph instead:
+
+- `weights`: tensors that stay where they are between calls (a layer's projection weights). The graph reads them in
+  place, and their addresses are part of the graph's key: each layer has its own graphs. A weight updated in place
+  (the optimizer's step) is read as it is at the replay.
+- `rows`: the call's per-row tensors ([rows, ...]: activations, incoming gradients), copied into staging buffers
+  whose first dimension is the row count rounded up to a bucket (`bucket_rows`: a multiple of 1/16 of the next
+  power of two); the padding rows are zeros. A row-wise body (every output row a function of its input row; weight
+  gradients sums of per-row products) then gives the same rows, and zero rows add nothing to the sums. So a few
+  graphs serve a run whose row counts vary (packed batches).
+- `others`: every other tensor (casts made for this call, LoRA factors): copied into staging buffers of their own
+  shape.
+- outputs: the body returns a tuple or list of tensors; inside the graph each is copied into a staging buffer, and
+  after the replay `row_outputs` (those indexed by row) are cloned out as [:rows], the rest whole.
+Staging buffers are shared by every graph with the same position, shape and dtype (one layer's call at a time), and
+every graph's temporaries live in one private memory pool, reused from capture to capture: the graphs hold the
+temporaries of one call, not one per layer (`graph_pool_bytes` reports them; a benchmark's peak adds them).
+
+A key is captured at its second call (a row count seen once is not worth a capture: the first call runs the body
+as it is), after one warm-up run on the capture stream, as torch's CUDA-graph rules ask. Calls run the body as it
+is off CUDA, inside another capture, and when `ENABLED` is off (FASTGRPO_OP_GRAPHS=0).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fastgrpo.kernels._dispatch import next_power_of_2
+
+ENABLED = os.environ.get("FASTGRPO_OP_GRAPHS", "1") != "0"
+# Buckets: row counts rounded up to a multiple of this fraction of their next power of two (at most 1/16 more rows;
+# 8 x 1280 GRPO rows are a bucket of their own), and at least MIN_BUCKET_STEP rows.
+BUCKETS_PER_OCTAVE = 16
+MIN_BUCKET_STEP = 128
+
+
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to its bucket: a multiple of max(next_power_of_2(rows) / 16, 128)."""
+    step = max(MIN_BUCKET_STEP, next_power_of_2(rows) // BUCKETS_PER_OCTAVE)
+    return -(-rows // step) * step
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None until captured (the key's first call ran eagerly)
+    inputs: list[torch.Tensor]  # staging buffers the graph reads: the row tensors, then the others
+    outputs: list[torch.Tensor]  # staging buffers the graph writes its outputs into
+
+
+_graphs: dict[tuple, _Graph] = {}
+_staging: dict[tuple, torch.Tensor] = {}
+_pool = None
+_stream: torch.cuda.Stream | None = None
+stats = {"captured": 0, "replayed": 0, "eager": 0}
+
+
+def _describe(t: torch.Tensor | None) -> tuple:
+    return (None,) if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _staging_buffer(kind: str, position: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The shared staging buffer of (kind, position, shape, dtype): made once, zero-filled (padding rows start at 0)."""
+    key = (kind, position, shape, dtype, device)
+    buffer = _staging.get(key)
+    if buffer is None:
+        buffer = _staging[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return buffer
+
+
+def _stage(staged: list[torch.Tensor], rows: list[torch.Tensor], others: list[torch.Tensor | None], n: int) -> None:
+    """Copies the call's tensors into the graph's staging buffers; zeros the row buffers' padding."""
+    for buffer, t in zip(staged, rows):
+        buffer[:n].copy_(t)
+        if buffer.shape[0] > n:
+            buffer[n:].zero_()
+    pairs = [(buffer, t) for buffer, t in zip(staged[len(rows):], others) if t is not None]
+    if pairs:  # one launch for all of them
+        torch._foreach_copy_([buffer for buffer, _ in pairs], [t for _, t in pairs])
+
+
+def applies(device: torch.device) -> bool:
+    """Whether calls on `device` may be replayed (CUDA, enabled, not inside another capture)."""
+    return ENABLED and device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, rows: tuple, others: tuple,
+             consts: tuple, row_outputs: tuple[int, ...]) -> list[torch.Tensor]:
+    """`call(rows, others)` - the op's body with `weights` and `consts` (hashable) bound in it - replayed as a CUDA
+    graph: see the module docstring. `rows` have one row count (first dimension, > 0); the body must not have
+    Python side effects that each call needs (they would run at the capture only). Returns the body's outputs."""
+    n = rows[0].shape[0]
+    padded = bucket_rows(n)
+    key = (name, tuple(w.data_ptr() if w is not None else None for w in weights),
+           tuple(_describe(w) for w in weights), padded, tuple((tuple(t.shape[1:]), t.dtype) for t in rows),
+           tuple(_describe(t) for t in others), consts)
+    entry = _graphs.get(key)
+    if entry is None:
+        _graphs[key] = _Graph(None, [], [])
+        stats["eager"] += 1
+        return list(call(rows, others))
+    device = rows[0].device
+    if entry.graph is None:
+        staged = [_staging_buffer("in", i, (padded, *t.shape[1:]), t.dtype, device) for i, t in enumerate(rows)]
+        staged += [None if t is None else _staging_buffer("in", len(rows) + i, tuple(t.shape), t.dtype, device)
+                   for i, t in enumerate(others)]
+        _stage(staged, rows, others, n)
+        entry.inputs = staged
+        _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, device)
+        stats["captured"] += 1
+    else:
+        _stage(entry.inputs, rows, others, n)
+    entry.graph.replay()
+    stats["replayed"] += 1
+    sources = [out[:n] if i in row_outputs else out for i, out in enumerate(entry.outputs)]
+    results = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
+    torch._foreach_copy_(results, sources)  # one launch for all of them
+    return results
+
+
+def _capture(entry: _Graph, rows, others, call, row_outputs, device) -> None:
+    global _pool, _stream
+    if _stream is None:
+        _pool, _stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+    _stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(_stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before the capture
+        warm = list(call(tuple(rows), tuple(others)))
+    torch.cuda.current_stream(device).wait_stream(_stream)
+    entry.outputs = [_staging_buffer("out", i, tuple(t.shape), t.dtype, device) for i, t in enumerate(warm)]
+    del warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=_pool, stream=_stream):
+        outputs = call(tuple(rows), tuple(others))
+        for buffer, t in zip(entry.outputs, outputs):
+            buffer.copy_(t)
+        del outputs
+    entry.graph = graph
+
+
+def graph_pool_bytes() -> int:
+    """Device bytes held by the graphs' private memory pool (reserved for their temporaries)."""
+    if _pool is None:
+        return 0
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if tuple(segment.get("segment_pool_id", ())) == tuple(_pool))
+
+
+def staging_bytes() -> int:
+    return sum(t.numel() * t.element_size() for t in _staging.values())
+
+
+def reset() -> None:
+    """Drops every graph and staging buffer (tests; a model whose weights moved)."""
+    global _pool, _stream
+    _graphs.clear()
+    _staging.clear()
+    _pool = _stream = None
+    for key in stats:
+        stats[key] = 0

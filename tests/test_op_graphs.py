@@ -1,0 +1,125 @@
+"""Op bodies replayed as CUDA graphs (fastgrpo/kernels/_graphs.py): the gated-MLP op's forward and backward give
+what the op gives without graphs - the same bits where the row count is its own bucket - across captures, replays,
+layers (weights) that take turns, weights updated in place and row counts padded to their bucket."""
+import contextlib
+
+import pytest
+import torch
+
+from fastgrpo.kernels import _graphs
+from fastgrpo.kernels.gated_mlp import _replays, gated_mlp
+
+
+def test_bucket_rows():
+    assert _graphs.bucket_rows(10240) == 10240  # 8 x 1280 GRPO rows: a bucket of their own
+    assert _graphs.bucket_rows(10241) == 11264  # a 16th of the next power of two (16384)
+    assert _graphs.bucket_rows(16385) == 18432
+    assert _graphs.bucket_rows(1) == 128 and _graphs.bucket_rows(128) == 128 and _graphs.bucket_rows(129) == 256
+    for rows in range(1, 40000, 97):
+        padded = _graphs.bucket_rows(rows)
+        assert rows <= padded <= rows + max(127, rows // 8)
+
+
+def test_cpu_calls_run_as_they_are():
+    x, w = torch.zeros(4, 8), torch.zeros(16, 8)
+    assert not _replays(x, w) and not _graphs.applies(x.device)
+
+
+@contextlib.contextmanager
+def graphs(enabled: bool):
+    before = _graphs.ENABLED
+    _graphs.ENABLED = enabled
+    try:
+        yield
+    finally:
+        _graphs.ENABLED = before
+
+
+def layer(seed, hidden=256, inter=512, rank=16, lora_dtype=torch.float32, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std, dtype=torch.bfloat16, grad=False):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype).to(device).requires_grad_(grad)
+
+    w_gate_up = rand(2 * inter, hidden, std=hidden**-0.5)
+    weights = dict(w_gate=w_gate_up[:inter], w_up=w_gate_up[inter:], w_down=rand(hidden, inter, std=inter**-0.5))
+    lora = dict(gate_lora_a=rand(rank, hidden, std=hidden**-0.5, dtype=lora_dtype, grad=True),
+                gate_lora_b=rand(inter, rank, std=0.5, dtype=lora_dtype, grad=True),
+                up_lora_a=rand(rank, hidden, std=hidden**-0.5, dtype=lora_dtype, grad=True),
+                up_lora_b=rand(inter, rank, std=0.5, dtype=lora_dtype, grad=True),
+                down_lora_a=rand(rank, inter, std=inter**-0.5, dtype=lora_dtype, grad=True),
+                down_lora_b=rand(hidden, rank, std=0.5, dtype=lora_dtype, grad=True))
+    return weights, lora
+
+
+def forward_backward(weights, lora, x, dy):
+    """The op's output and the gradients of x and every LoRA factor."""
+    x = x.detach().requires_grad_()
+    y = gated_mlp(x, weights["w_gate"], weights["w_up"], lora["gate_lora_a"], lora["gate_lora_b"], lora["up_lora_a"],
+                  lora["up_lora_b"], 2.0, "silu", weights["w_down"], lora["down_lora_a"], lora["down_lora_b"], 0.5)
+    leaves = [x, *lora.values()]
+    return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+
+
+def inputs(rows, hidden=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).cuda()
+    dy = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).cuda()
+    return x, dy
+
+
+def assert_same(got, want, exact):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if exact:
+            assert torch.equal(g, w)
+        else:
+            scale = w.float().abs().max().clamp(min=1e-3)
+            assert (g.float() - w.float()).abs().max() <= 2e-2 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, lora_dtype", [(1280, torch.float32), (1280, torch.bfloat16), (1000, torch.float32)])
+def test_replayed_mlp_matches_the_op(rows, lora_dtype):
+    _graphs.reset()
+    weights, lora = layer(0, lora_dtype=lora_dtype)
+    x, dy = inputs(rows)
+    with graphs(False):
+        want = forward_backward(weights, lora, x, dy)
+    with graphs(True):
+        runs = [forward_backward(weights, lora, x, dy) for _ in range(3)]  # eager, captured, replayed
+    assert _graphs.stats["captured"] == 2 and _graphs.stats["replayed"] == 4  # forward and backward graphs
+    for got in runs:
+        assert_same(got, want, exact=rows == _graphs.bucket_rows(rows))
+
+
+@pytest.mark.gpu
+def test_layers_take_turns_and_weights_change_in_place():
+    _graphs.reset()
+    layers = [layer(seed) for seed in (1, 2)]
+    x, dy = inputs(1280, seed=3)
+    for round_ in range(3):
+        for weights, lora in layers:
+            with graphs(False):
+                want = forward_backward(weights, lora, x, dy)
+            with graphs(True):
+                got = forward_backward(weights, lora, x, dy)
+            assert_same(got, want, exact=True)
+            with torch.no_grad():  # an optimizer's step: same tensors, new values
+                weights["w_down"].mul_(0.9)
+                lora["down_lora_b"].add_(0.01)
+    assert _graphs.stats["captured"] == 4  # each layer's forward and backward
+
+
+@pytest.mark.gpu
+def test_row_counts_share_a_bucket():
+    _graphs.reset()
+    weights, lora = layer(4)
+    for rows in (1160, 1200, 1160, 1250, 1280):  # one bucket (1280)
+        x, dy = inputs(rows, seed=rows)
+        with graphs(False):
+            want = forward_backward(weights, lora, x, dy)
+        with graphs(True):
+            got = forward_backward(weights, lora, x, dy)
+        assert_same(got, want, exact=False)
+    assert _graphs.stats["captured"] == 2 and _graphs.stats["eager"] == 2
