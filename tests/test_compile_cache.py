@@ -1,8 +1,10 @@
 """The persistent compile cache (fastgrpo.compiler.cache) across processes, by torch's counters (not by time).
 
 Each run is a fresh process (tests/compile_cache_child.py) that compiles a residual RMSNorm + gated-MLP block
-through the fastgrpo backend with inductor on the CPU, its cache in a temporary directory.
+through the fastgrpo backend with inductor on the CPU, its cache in a temporary directory; or
+(tests/compile_cache_qlora_child.py) that trains and scores bench/grpo_qlora_step.py's tiny 4-bit QLoRA policy.
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -20,12 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SAME = [4, {}]
 
 
-def run(cache: Path, *cases, device: str = "cpu") -> dict:
+def run_child(module: str, *args: str) -> dict:
+    """`python -m module *args` in a fresh process; the JSON of its last line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "tests.compile_cache_child", str(cache), json.dumps(cases), device],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(cache: Path, *cases, device: str = "cpu") -> dict:
+    return run_child("tests.compile_cache_child", str(cache), json.dumps(cases), device)
 
 
 def cache_use(case: dict) -> dict:
@@ -131,6 +138,71 @@ def test_gpu_second_process_loads_graphs_and_triton_kernels(tmp_path):
     assert cache_use(second["cases"][0]) == {"aot_hits": 1, "aot_misses": 0, "fx_hits": 2, "fx_misses": 0, "bypasses": 0}
     assert (second["cases"][0]["out"], second["cases"][0]["grad"]) == (first["out"], first["grad"])
     assert triton_files() == compiled
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_qlora_layer_graphs_load_from_the_cache_in_a_second_process(tmp_path):
+    """A QLoRA layer graph that computes gradients calls bitsandbytes' 4-bit matmul, a custom autograd.Function,
+    which AOTAutograd's cache bypasses unless its setting allows them (compiler/cache.py). Neither process
+    bypasses; the second loads both layer graphs (with gradients, and the no-grad scoring one) from the cache,
+    compiles no inductor graph, and computes the same bits."""
+    cache = tmp_path / "cache"
+    cold = run_child("tests.compile_cache_qlora_child", str(cache))
+    warm = run_child("tests.compile_cache_qlora_child", str(cache))
+    assert cache_use(cold)["bypasses"] == 0 and cache_use(warm)["bypasses"] == 0, (cold["counters"], warm["counters"])
+    graphs = cold["counters"]["stats"]["unique_graphs"]
+    assert graphs == 2 and warm["counters"]["stats"]["unique_graphs"] == graphs
+    cold_aot, warm_aot = cold["counters"]["aot_autograd"], warm["counters"]["aot_autograd"]
+    assert cold_aot.get("autograd_cache_saved", 0) == graphs, cold_aot
+    assert warm_aot.get("autograd_cache_hit", 0) == graphs and warm_aot.get("autograd_cache_saved", 0) == 0, warm_aot
+    # A frame compile that Dynamo restarts (under dynamic shapes a symbolic float, RMSNorm's eps, is specialized in
+    # AOTAutograd) looks its graph up once before the restart: a miss that nothing is saved for, in every process.
+    restarted = cold_aot["autograd_cache_miss"] - cold_aot["autograd_cache_saved"]
+    assert warm_aot.get("autograd_cache_miss", 0) == restarted, warm_aot
+    use = cache_use(warm)
+    assert use["fx_misses"] == 0 and use["fx_hits"] == cache_use(cold)["fx_misses"], (use, cache_use(cold))
+    assert [warm[k] for k in ("hidden", "grads", "scored")] == [cold[k] for k in ("hidden", "grads", "scored")]
+
+
+def _scaled_grad(scale: float):
+    """x * 2 whose backward multiplies the gradient by `scale`: classes alike but for their backward."""
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * scale
+
+    return Scaled
+
+
+def test_custom_autograd_functions_are_cached_by_their_forward_and_backward():
+    """A graph that calls a custom autograd.Function is saved and loaded (not bypassed); one whose function differs
+    only in its backward is a miss, so a hit never runs another function's backward."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+
+    from fastgrpo.compiler.backend import fastgrpo_backend
+
+    def run(function, scale):
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.arange(8.0, requires_grad=True)
+        compiled = torch.compile(lambda x: function.apply(x).sin(), backend=fastgrpo_backend,
+                                 options={"inner": "inductor"})
+        compiled(x).sum().backward()
+        torch.testing.assert_close(x.grad, (x * 2).cos().detach() * scale)
+        return {key: counters["aot_autograd"][key]
+                for key in ("autograd_cache_bypass", "autograd_cache_miss", "autograd_cache_hit")}
+
+    doubled, tripled = _scaled_grad(2.0), _scaled_grad(3.0)
+    with fresh_inductor_cache():
+        assert run(doubled, 2.0) == {"autograd_cache_bypass": 0, "autograd_cache_miss": 1, "autograd_cache_hit": 0}
+        assert run(doubled, 2.0) == {"autograd_cache_bypass": 0, "autograd_cache_miss": 0, "autograd_cache_hit": 1}
+        assert run(tripled, 3.0) == {"autograd_cache_bypass": 0, "autograd_cache_miss": 1, "autograd_cache_hit": 0}
 
 
 def test_environment_key_follows_every_version_and_fastgrpo_source(monkeypatch):

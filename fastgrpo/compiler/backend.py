@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import fx
 
-from fastgrpo.compiler.cache import recovering, tagged_cache_keys
+from fastgrpo.compiler.cache import cacheable_autograd_functions, recovering, tagged_cache_keys
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report, publish
 from fastgrpo.passes import PASSES, autocast, linear_forms
@@ -106,11 +106,12 @@ def _inner_compiler(options: Options, mode: str | None):
     config.update(options.inductor_config)
     # Cache keys carry fastgrpo's source hash, and a damaged cache file is recompiled, not fatal (compiler/cache.py);
     # the inner compile is wrapped too, for the backward that AOTAutograd may compile later, outside this call.
+    # Graphs that call custom autograd functions (bitsandbytes' 4-bit matmul) are cached as well.
     inner = recovering(compile_fx_inner)
 
     def compile(gm, example_inputs):
         patches = {**cpu_vector_probe_off(example_inputs), **config}
-        with tagged_cache_keys():
+        with tagged_cache_keys(), cacheable_autograd_functions():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile

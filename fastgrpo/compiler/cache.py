@@ -16,6 +16,15 @@ hash to every key it makes (`cache_key_tag`), for the caches this module does no
 `/tmp/torchinductor_<user>`): the custom ops' autograd formulas are traced into AOTAutograd's entries but
 are not part of torch's key.
 
+Custom autograd functions. AOTAutograd's cache refuses a graph that calls a custom `torch.autograd.Function`
+(Dynamo's `autograd_function_apply` node) unless
+`torch._functorch.config.autograd_cache_allow_custom_autograd_functions` is on; such a graph then compiles again in
+every process. A QLoRA layer's graph has one per 4-bit projection (bitsandbytes' `MatMul4Bit`) whenever it
+computes gradients. Dynamo traces the function's forward and backward into subgraphs of the graph it hands over,
+so both are in the cache key: the backend turns the setting on for the graphs it compiles
+(`cacheable_autograd_functions`). Its environment variable `TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`
+still turns it off.
+
 Integrity. torch writes each file atomically, but a file can be damaged afterwards (disk, copies, tools).
 After every inductor compile of the backend a manifest stores each file's SHA-256 (`record`: only new or
 changed files are hashed); at the next enable a file that no longer matches is deleted, with one warning,
@@ -88,6 +97,16 @@ def tagged_cache_keys():
     if ours in current:
         return contextlib.nullcontext()
     return torch.compiler.config.patch(cache_key_tag=f"{current}|{ours}" if current else ours)
+
+
+def cacheable_autograd_functions():
+    """A context in which AOTAutograd caches graphs that call custom autograd functions (see the module
+    docstring); a torch without the setting caches as it does."""
+    from torch._functorch import config
+
+    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        return contextlib.nullcontext()
+    return config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
 def _version(package: str) -> str | None:
