@@ -123,3 +123,31 @@ def test_row_counts_share_a_bucket():
             got = forward_backward(weights, lora, x, dy)
         assert_same(got, want, exact=False)
     assert _graphs.stats["captured"] == 2 and _graphs.stats["eager"] == 2
+
+
+@pytest.mark.gpu
+def test_a_larger_bucket_grows_the_staging_and_recaptures():
+    _graphs.reset()
+    weights, lora = layer(5)
+    for rows in (1280, 1280, 2560, 2560, 1280, 1280):
+        x, dy = inputs(rows, seed=rows)
+        with graphs(False):
+            want = forward_backward(weights, lora, x, dy)
+        with graphs(True):
+            got = forward_backward(weights, lora, x, dy)
+        assert_same(got, want, exact=True)
+    # 1280 captured, dropped when 2560 grew the row buffers, then eager and captured again
+    assert _graphs.stats["captured"] == 6 and _graphs.stats["eager"] == 6
+
+
+@pytest.mark.gpu
+def test_least_recently_used_graphs_are_dropped(monkeypatch):
+    _graphs.reset()
+    monkeypatch.setattr(_graphs, "MAX_GRAPHS", 2)
+    layers = [layer(seed) for seed in (6, 7)]
+    x, dy = inputs(1280, seed=8)
+    for _ in range(2):
+        for weights, lora in layers:  # four keys (two layers, forward and backward) through two places
+            with graphs(True):
+                forward_backward(weights, lora, x, dy)
+    assert len(_graphs._graphs) <= 2 and _graphs.stats["captured"] == 0

@@ -18,9 +18,11 @@ as a captured CUDA graph instead:
   shape.
 - outputs: the body returns a tuple or list of tensors; inside the graph each is copied into a staging buffer, and
   after the replay `row_outputs` (those indexed by row) are cloned out as [:rows], the rest whole.
-Staging buffers are shared by every graph with the same position, shape and dtype (one layer's call at a time), and
-every graph's temporaries live in one private memory pool, reused from capture to capture: the graphs hold the
-temporaries of one call, not one per layer (`graph_pool_bytes` reports them; a benchmark's peak adds them).
+Staging buffers are shared by every graph with the same position, trailing shape and dtype (one layer's call at a
+time; a row buffer has the rows of the largest bucket seen, each graph reading its first rows), and every graph's
+temporaries live in one private memory pool, reused from capture to capture: the graphs hold the temporaries of one
+call, not one per layer (`graph_pool_bytes` reports them; a benchmark's peak adds them). At most MAX_GRAPHS graphs
+are kept.
 
 A key is captured at its second call (a row count seen once is not worth a capture: the first call runs the body
 as it is), after one warm-up run on the capture stream, as torch's CUDA-graph rules ask. Calls run the body as it
@@ -28,6 +30,7 @@ is off CUDA, inside another capture, and when `ENABLED` is off (FASTGRPO_OP_GRAP
 """
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -56,10 +59,11 @@ class _Graph:
     outputs: list[torch.Tensor]  # staging buffers the graph writes its outputs into
 
 
-_graphs: dict[tuple, _Graph] = {}
+# Graphs kept at most, the least recently used dropped first (a run whose row counts drift keeps only recent buckets).
+MAX_GRAPHS = 1024
+_graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
 _staging: dict[tuple, torch.Tensor] = {}
-_pool = None
-_stream: torch.cuda.Stream | None = None
+_pools: dict[torch.device, tuple] = {}  # device -> (memory pool handle, capture stream)
 stats = {"captured": 0, "replayed": 0, "eager": 0}
 
 
@@ -68,12 +72,28 @@ def _describe(t: torch.Tensor | None) -> tuple:
 
 
 def _staging_buffer(kind: str, position: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """The shared staging buffer of (kind, position, shape, dtype): made once, zero-filled (padding rows start at 0)."""
+    """The shared staging buffer of (kind, position, shape, dtype), made once."""
     key = (kind, position, shape, dtype, device)
     buffer = _staging.get(key)
     if buffer is None:
         buffer = _staging[key] = torch.zeros(shape, dtype=dtype, device=device)
     return buffer
+
+
+def _row_staging(kind: str, position: int, padded: int, trailing: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The first `padded` rows of the shared row buffer of (kind, position, trailing shape, dtype): one buffer serves
+    every bucket. Where it must grow (by at least a quarter), every graph is dropped, since graphs read and write the
+    old buffer's memory."""
+    key = (kind, position, "rows", trailing, dtype, device)
+    buffer = _staging.get(key)
+    if buffer is None or buffer.shape[0] < padded:
+        if buffer is not None:
+            _graphs.clear()
+            padded_to = max(padded, buffer.shape[0] + buffer.shape[0] // 4)
+        else:
+            padded_to = padded
+        buffer = _staging[key] = torch.zeros((padded_to, *trailing), dtype=dtype, device=device)
+    return buffer[:padded]
 
 
 def _stage(staged: list[torch.Tensor], rows: list[torch.Tensor], others: list[torch.Tensor | None], n: int) -> None:
@@ -105,16 +125,20 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
     entry = _graphs.get(key)
     if entry is None:
         _graphs[key] = _Graph(None, [], [])
+        if len(_graphs) > MAX_GRAPHS:
+            _graphs.popitem(last=False)
         stats["eager"] += 1
         return list(call(rows, others))
+    _graphs.move_to_end(key)
     device = rows[0].device
     if entry.graph is None:
-        staged = [_staging_buffer("in", i, (padded, *t.shape[1:]), t.dtype, device) for i, t in enumerate(rows)]
+        staged = [_row_staging("in", i, padded, tuple(t.shape[1:]), t.dtype, device) for i, t in enumerate(rows)]
         staged += [None if t is None else _staging_buffer("in", len(rows) + i, tuple(t.shape), t.dtype, device)
                    for i, t in enumerate(others)]
         _stage(staged, rows, others, n)
         entry.inputs = staged
-        _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, device)
+        _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, padded, device)
+        _graphs[key] = entry  # back in, should a row buffer's growth have dropped every graph
         stats["captured"] += 1
     else:
         _stage(entry.inputs, rows, others, n)
@@ -126,18 +150,20 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
     return results
 
 
-def _capture(entry: _Graph, rows, others, call, row_outputs, device) -> None:
-    global _pool, _stream
-    if _stream is None:
-        _pool, _stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-    _stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(_stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before the capture
+def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> None:
+    if device not in _pools:
+        with torch.cuda.device(device):
+            _pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+    pool, stream = _pools[device]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before the capture
         warm = list(call(tuple(rows), tuple(others)))
-    torch.cuda.current_stream(device).wait_stream(_stream)
-    entry.outputs = [_staging_buffer("out", i, tuple(t.shape), t.dtype, device) for i, t in enumerate(warm)]
+    torch.cuda.current_stream(device).wait_stream(stream)
+    entry.outputs = [_row_staging("out", i, padded, tuple(t.shape[1:]), t.dtype, device) if i in row_outputs
+                     else _staging_buffer("out", i, tuple(t.shape), t.dtype, device) for i, t in enumerate(warm)]
     del warm
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_pool, stream=_stream):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = call(tuple(rows), tuple(others))
         for buffer, t in zip(entry.outputs, outputs):
             buffer.copy_(t)
@@ -147,10 +173,11 @@ def _capture(entry: _Graph, rows, others, call, row_outputs, device) -> None:
 
 def graph_pool_bytes() -> int:
     """Device bytes held by the graphs' private memory pool (reserved for their temporaries)."""
-    if _pool is None:
+    if not _pools:
         return 0
+    pools = {tuple(pool) for pool, _ in _pools.values()}
     return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if tuple(segment.get("segment_pool_id", ())) == tuple(_pool))
+               if tuple(segment.get("segment_pool_id", ())) in pools)
 
 
 def staging_bytes() -> int:
@@ -159,9 +186,8 @@ def staging_bytes() -> int:
 
 def reset() -> None:
     """Drops every graph and staging buffer (tests; a model whose weights moved)."""
-    global _pool, _stream
     _graphs.clear()
     _staging.clear()
-    _pool = _stream = None
+    _pools.clear()
     for key in stats:
         stats[key] = 0
