@@ -17,12 +17,8 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py --rows 8 --rank 64
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
                                                        # row count (columns a tile, warps, stages, programs per SM)
-    python bench/bench_nf4_linear.py --variants all --rows 8 64
-                                                       # GPU: every decode variant (nf4_lora_linear.VARIANTS) side by
-                                                       # side, each checked against bitsandbytes + PEFT first; their
-                                                       # kernels compiled beforehand in parallel processes
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
-Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny), each with its `variant`.
+Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
 from __future__ import annotations
 
@@ -120,36 +116,6 @@ def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
                             for t, c in timings})
 
 
-def _compile_variant(variant: str, shapes: list[tuple[int, int]], rows: list[int], rank: int) -> str:
-    """Compiles `variant`'s kernels for these (N, K) shapes and row counts into Triton's on-disk cache: calls on
-    zero tensors with the dtypes, strides and alignments of the timed calls (so the same specializations)."""
-    nf4_module.DECODE = variant
-    for n, k in shapes:
-        blocks = n * k // BLOCKSIZE
-        quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8, device="cuda"),
-                     code=torch.zeros(16, device="cuda"), shape=(n, k), blocksize=BLOCKSIZE,
-                     nested_absmax=torch.zeros(-(-blocks // 256), device="cuda"),
-                     nested_code=torch.zeros(256, device="cuda"), offset=torch.zeros((), device="cuda"))
-        packed = torch.zeros(n * k // 2, 1, dtype=torch.uint8, device="cuda")
-        lora = dict(lora_a=torch.zeros(rank, k, device="cuda"), lora_b=torch.zeros(n, rank, device="cuda"),
-                    scaling=SCALING)
-        for m in rows:
-            nf4_lora_linear(torch.zeros(m, k, dtype=torch.bfloat16, device="cuda"), packed, **quant, **lora)
-    torch.cuda.synchronize()
-    return variant
-
-
-def precompile(variants: list[str], shapes: list[tuple[int, int]], rows: list[int], rank: int) -> None:
-    """Each variant's kernels compiled in its own process, all at once (Triton compiles one kernel at a time in a
-    process); the timed calls then load them from the cache."""
-    import concurrent.futures
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(variants), mp_context=context) as pool:
-        list(pool.map(_compile_variant, variants, *zip(*[(shapes, rows, rank)] * len(variants))))
-
-
 def main(argv=None):
     p = harness.argument_parser(__doc__)
     p.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
@@ -158,15 +124,7 @@ def main(argv=None):
     p.add_argument("--copies", type=int, default=8, help="distinct layers a timed call rotates through, at least")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny projections, two copies, no rows kept")
     p.add_argument("--sweep", action="store_true", help="time the kernel's launch settings (GPU)")
-    p.add_argument("--variants", nargs="+", default=None,
-                   help=f"decode variants to time side by side: 'all' or names of {sorted(nf4_module.VARIANTS)} "
-                        f"(default: DECODE, {nf4_module.DECODE})")
     args = p.parse_args(argv)
-    variants = [nf4_module.DECODE] if not args.variants else (
-        list(nf4_module.VARIANTS) if args.variants == ["all"] else args.variants)
-    unknown = sorted(set(variants) - set(nf4_module.VARIANTS))
-    if unknown:
-        sys.exit(f"unknown variants {unknown}: pick from {sorted(nf4_module.VARIANTS)}")
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
         sys.exit("needs a CUDA device (or --tiny for a CPU smoke run)")
@@ -176,9 +134,6 @@ def main(argv=None):
     torch.manual_seed(0)
     bandwidth = harness.COPY_TBPS * 1e12
     rows_out = []
-    if cuda and len(variants) > 1:
-        precompile(variants, sorted(set(projections(args.shape).values())), args.rows, args.rank)
-    default_decode = nf4_module.DECODE
     for name, (n, k) in projections(args.shape, args.tiny).items():
         per_copy = floor_bytes(0, n, k, args.rank)
         copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
@@ -188,61 +143,41 @@ def main(argv=None):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 want = layers[0](x).float()
-
-                def bnb_peft():
-                    for layer in layers:
-                        layer(x)
+                got = ours_calls[0](x).float()
+                err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+                assert err < 3e-2, f"{name} rows {m}: fastgrpo and bitsandbytes + PEFT differ by {err:.3g} (relative)"
 
                 def ours():
                     for call in ours_calls:
                         call(x)
 
-                bnb_us = None
-                for variant in variants:
-                    try:
-                        nf4_module.DECODE = variant
-                        got = ours_calls[0](x).float()
-                        err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-                        assert err < 3e-2, (f"{name} rows {m} {variant}: fastgrpo and bitsandbytes + PEFT differ by "
-                                            f"{err:.3g} (relative)")
-                        if args.sweep and cuda:
-                            row = dict(sweep(ours, name, n, k, m, copies, args), variant=variant)
-                            harness.emit(row)
-                            rows_out.append(row)
-                            continue
-                        ours_us = harness.graph_ms(ours) * 1e3 / copies
-                    finally:
-                        nf4_module.DECODE = default_decode
-                    if bnb_us is None:
-                        bnb_us = harness.graph_ms(bnb_peft) * 1e3 / copies
-                    floor_us = floor_bytes(m, n, k, args.rank) / bandwidth * 1e6
-                    config = launch_config(m, n, k, BLOCKSIZE, x.device, variant)
-                    row = dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies,
-                               variant=variant, fastgrpo_us=ours_us, bnb_peft_us=bnb_us, floor_us=floor_us,
-                               share_of_floor=floor_us / ours_us, speedup=bnb_us / ours_us, splits=config["splits"],
-                               block_k=config["BK"], max_rel_err=err)
+                def bnb_peft():
+                    for layer in layers:
+                        layer(x)
+
+                if args.sweep and cuda:
+                    row = sweep(ours, name, n, k, m, copies, args)
                     harness.emit(row)
                     rows_out.append(row)
+                    continue
+                ours_us = harness.graph_ms(ours) * 1e3 / copies
+                bnb_us = harness.graph_ms(bnb_peft) * 1e3 / copies
+            floor_us = floor_bytes(m, n, k, args.rank) / bandwidth * 1e6
+            config = launch_config(m, n, k, BLOCKSIZE, x.device)
+            row = dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies,
+                       fastgrpo_us=ours_us, bnb_peft_us=bnb_us, floor_us=floor_us, share_of_floor=floor_us / ours_us,
+                       speedup=bnb_us / ours_us, splits=config["splits"], max_rel_err=err)
+            harness.emit(row)
+            rows_out.append(row)
     print(f"\n{args.shape}{' (tiny, CPU: times mean nothing)' if args.tiny else ''}, bf16 x, NF4 blocksize "
           f"{BLOCKSIZE} double-quantized, fp32 LoRA r={args.rank}; CUDA-graph replay per call; floor: bytes at "
           f"{harness.COPY_TBPS} TB/s\n")
     print(harness.md_header("projection", "N x K", "rows", "splits", "copies", "fastgrpo us", "bnb+peft us",
                             "floor us", "share of floor", "bnb+peft / fastgrpo"))
-    timed = [r for r in rows_out if not r.get("sweep")]
-    for r in (r for r in timed if r["variant"] == variants[0]):
+    for r in (r for r in rows_out if not r.get("sweep")):
         print(harness.md_row(r["projection"], f"{r['n']}x{r['k']}", r["rows"], r["splits"], r["copies"],
                              f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['floor_us']:.2f}",
                              f"{100 * r['share_of_floor']:.0f} %", f"{r['speedup']:.2f}x"))
-    if len(variants) > 1:
-        print(f"\nfastgrpo us by decode variant (first column: {variants[0]}), fastest marked *\n")
-        print(harness.md_header("projection", "rows", "bnb+peft us", "floor us", *variants))
-        for first in (r for r in timed if r["variant"] == variants[0]):
-            by = {r["variant"]: r["fastgrpo_us"] for r in timed
-                  if (r["projection"], r["rows"]) == (first["projection"], first["rows"])}
-            best = min(by.values())
-            print(harness.md_row(first["projection"], first["rows"], f"{first['bnb_peft_us']:.1f}",
-                                 f"{first['floor_us']:.2f}",
-                                 *(f"{by[v]:.1f}{' *' if by[v] == best else ''}" for v in variants)))
     if not args.tiny:
         harness.record("bench_nf4_linear", rows_out, argv)
     return rows_out

@@ -10,9 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.kernels._dispatch import cdiv, triton_on_cpu
-from fastgrpo.kernels import nf4_lora_linear as nf4_module
 from fastgrpo.kernels.nf4_lora_linear import (
-    VARIANTS,
     _nf4_lora_linear_op,
     _triton_nf4_lora_linear,
     kernel_obstacle,
@@ -126,63 +124,30 @@ cases = st.tuples(
 )
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_triton_kernel_matches_the_float64_reference(variant):
-    """Every decode variant (a 2-block step where K allows it: both block scales in one step); 100 examples for
-    the default one, 40 for each other."""
-
-    @settings(max_examples=100 if variant == nf4_module.DECODE else 40)
-    @given(cases)
-    def run(params):
-        seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits = params
-        k = blocks * blocksize
-        inputs = _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strided)
-        args, _ = _op_args(inputs)
-        config = launch_config(m, n, k, blocksize, torch.device("cpu"), variant)
-        per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
-        config.update(k_per_split=per_split, splits=cdiv(k, per_split))
-        with triton_on_cpu():
-            out = _triton_nf4_lora_linear(*args, config=config, variant=variant)
-        check(out, inputs)
-
-    run()
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_triton_kernel_rank_64_many_rows_and_m_tiles(variant):
-    """r = MAX_RANK, 70 rows (two M tiles of 64), three K splits, fp32 adapters with bf16 x."""
-    inputs = _case(5, 70, 96, 384, 64, True, True, 64, torch.bfloat16, torch.float32, False)
+@settings(max_examples=100)
+@given(cases)
+def test_triton_kernel_matches_the_float64_reference(params):
+    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits = params
+    k = blocks * blocksize
+    inputs = _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strided)
     args, _ = _op_args(inputs)
-    config = launch_config(70, 96, 384, 64, torch.device("cpu"), variant)
-    config.update(splits=3, k_per_split=128)
-    assert config["BM"] == 64
+    config = launch_config(m, n, k, blocksize, torch.device("cpu"))
+    per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
+    config.update(k_per_split=per_split, splits=cdiv(k, per_split))
     with triton_on_cpu():
-        out = _triton_nf4_lora_linear(*args, config=config, variant=variant)
+        out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
 
 
-def test_variants_steps_and_the_default():
-    """A wide variant steps over two 64-blocks (BK 128) where K allows, one otherwise; DECODE names a variant."""
-    assert nf4_module.DECODE in VARIANTS
-    cpu = torch.device("cpu")
-    for variant, spec in VARIANTS.items():
-        assert launch_config(8, 256, 1536, 64, cpu, variant)["BK"] == 64 * spec["blocks"]
-        assert launch_config(8, 256, 192, 64, cpu, variant)["BK"] == 64
-        assert launch_config(8, 256, 1024, 256, cpu, variant)["BK"] == 128
-        assert launch_config(8, 256, 1024, 32, cpu, variant)["BK"] == 32 * spec["blocks"]
-
-
-def test_pair_table_holds_both_levels_of_a_byte():
-    from fastgrpo.kernels import _nf4_decode
-
-    code = BF.get_4bit_type("nf4", device="cpu").float()
-    table = _nf4_decode.pair_table(code)
-    assert table is _nf4_decode.pair_table(code.reshape(-1))  # a view of the same storage: cached
-    pairs = table.view(torch.float32).reshape(256, 2)
-    byte = torch.arange(256)
-    assert torch.equal(pairs[:, 0], code[byte >> 4]) and torch.equal(pairs[:, 1], code[byte & 15])
-    code.mul_(2)  # written in place: rebuilt
-    assert torch.equal(_nf4_decode.pair_table(code).view(torch.float32).reshape(256, 2)[:, 0], code[byte >> 4])
+def test_triton_kernel_rank_64_many_rows_and_m_tiles():
+    """r = MAX_RANK, 70 rows (two M tiles of 64), three K splits, fp32 adapters with bf16 x."""
+    inputs = _case(5, 70, 96, 384, 64, True, True, 64, torch.bfloat16, torch.float32, False)
+    args, _ = _op_args(inputs)
+    config = dict(launch_config(70, 96, 384, 64, torch.device("cpu")), splits=3, k_per_split=128)
+    assert config["BM"] == 64
+    with triton_on_cpu():
+        out = _triton_nf4_lora_linear(*args, config=config)
+    check(out, inputs)
 
 
 @pytest.fixture
@@ -203,20 +168,19 @@ def split_order(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_split_k_sum_does_not_depend_on_arrival_order(split_order, variant):
+def test_split_k_sum_does_not_depend_on_arrival_order(split_order):
     """The tile's last program sums every split's partial in split order: the same bits whichever program arrives
     last (on a GPU: run to run, and eager against a CUDA-graph replay), and repeated calls are bit-equal."""
     inputs = _case(7, 5, 40, 512, 64, True, True, 8, torch.float32, torch.float32, False)
     args, _ = _op_args(inputs)
-    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu"), variant), splits=4, k_per_split=128)
+    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128)
     outs = []
     with triton_on_cpu():
         for order in (None, lambda s, n: n - 1 - s, lambda s, n: (s + 1) % n, None):
             split_order["order"] = order
-            outs.append(_triton_nf4_lora_linear(*args, config=config, variant=variant))
+            outs.append(_triton_nf4_lora_linear(*args, config=config))
         split_order["order"] = None
-        unsplit = _triton_nf4_lora_linear(*args, config=dict(config, splits=1, k_per_split=512), variant=variant)
+        unsplit = _triton_nf4_lora_linear(*args, config=dict(config, splits=1, k_per_split=512))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     check(outs[0], inputs)
@@ -411,11 +375,9 @@ def _bnb_lora(x, packed, state, a, b, scaling, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("n,k", [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)])
-def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, variant, monkeypatch):
-    monkeypatch.setattr(nf4_module, "DECODE", variant)
+def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k):
     x, packed, state, a, b, bias = _gpu_case(m, n, k, bias=n == 256)
     kwargs = dict(**quant_state_args(state), lora_a=a, lora_b=b, scaling=2.0, bias=bias)
     with torch.no_grad():

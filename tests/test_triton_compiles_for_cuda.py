@@ -28,7 +28,6 @@ import triton.runtime.interpreter as interpreter
 
 import fastgrpo.kernels
 from fastgrpo.kernels import _dispatch
-from fastgrpo.kernels import nf4_lora_linear as nf4_module
 from fastgrpo.kernels import rms_norm as rms_norm_module
 from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
@@ -199,29 +198,23 @@ def _run_every_op():
         decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
                          scale=head_dim ** -0.5, **options)
 
-    # The NF4 + LoRA decode linear, each decode variant (nf4_lora_linear.VARIANTS): split K (q at 8 rows) and
-    # unsplit (gate/up at 64 rows), nested and plain block scales, ranks 16 and 64 with fp32 and bf16 adapters,
-    # blocksizes 64 and 128, bias, fp16 and fp32 x.
-    default_decode = nf4_module.DECODE
-    try:
-        for nf4_module.DECODE in nf4_module.VARIANTS:
-            for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
-                    (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
-                    (64, 8960, 1536, torch.bfloat16, 64, True, 64, torch.bfloat16, False),
-                    (64, 1536, 8960, torch.float16, 128, False, 0, None, False),
-                    (3, 256, 256, torch.float32, 64, False, 8, torch.float32, True)):
-                blocks = n * k // blocksize
-                quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32),
-                             code=torch.zeros(16), shape=(n, k), blocksize=blocksize)
-                if nested:
-                    quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
-                                 offset=torch.tensor(0.0))
-                lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype),
-                            lora_b=torch.zeros(n, rank, dtype=lora_dtype), scaling=2.0) if rank else {}
-                nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
-                                **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
-    finally:
-        nf4_module.DECODE = default_decode
+    # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
+    # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x.
+    for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
+            (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
+            (64, 8960, 1536, torch.bfloat16, 64, True, 64, torch.bfloat16, False),
+            (64, 1536, 8960, torch.float16, 128, False, 0, None, False),
+            (3, 256, 256, torch.float32, 64, False, 8, torch.float32, True)):
+        blocks = n * k // blocksize
+        quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32), code=torch.zeros(16),
+                     shape=(n, k), blocksize=blocksize)
+        if nested:
+            quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
+                         offset=torch.tensor(0.0))
+        lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
+                    scaling=2.0) if rank else {}
+        nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant,
+                        **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
 
     # RMSNorm's backward in each form a launch configuration selects, whichever the defaults pick at these widths:
     # the row loop of persistent programs with the next rows prefetched into registers (stages 0) or

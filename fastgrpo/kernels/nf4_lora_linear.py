@@ -25,9 +25,7 @@ so a step of a weight row has one block scale (dequantized in the kernel, nested
 of the step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1),
 scales them, sets the even and odd columns side by side (`tl.join`) and multiplies x's [BM, BK] tile by the
 [BN, BK] result in one `tl.dot` (M padded to 16: tensor cores at every M; the weight cast to x's dtype as
-bitsandbytes casts it). That is the default decode; `VARIANTS` holds others (two dots over x's even and odd
-columns instead of the join, lookups without per-nibble gathers, packed words, two blocks a step) and `DECODE`
-names the one calls launch. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so
+bitsandbytes casts it). A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so
 that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along
 on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is
 linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not
@@ -45,7 +43,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels import _nf4_decode
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
 
 MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
@@ -59,68 +56,22 @@ _MAX_SPLITS = 32
 _COUNTERS = 16384  # tiles a split call may use
 _REDUCE_ELEMENTS = 8192  # partial values the split-K sum loads at a time (see _reduce_rows)
 _counters: dict[torch.device, torch.Tensor] = {}
-# Decode variants of the kernel's K step: split (SPLIT_DOTS), lookup (LOOKUP, fastgrpo/kernels/_nf4_decode.py),
-# blocks (quantization blocks a step may span, 1 or 2: a step of up to 128 columns where K allows) and words (the
-# packed weight read as int32 words, PACK 8; a packed tensor whose address is not 4-aligned is read as bytes).
-# Every variant computes the same products (fp32 levels times fp32 scales rounded to x's dtype, fp32 accumulation);
-# only the order of the fp32 sums within a tile differs between split and join.
-VARIANTS = {
-    "join-gather": dict(split=False, lookup=_nf4_decode.GATHER, blocks=1, words=False),
-    "split-gather": dict(split=True, lookup=_nf4_decode.GATHER, blocks=1, words=False),
-    "split-select": dict(split=True, lookup=_nf4_decode.SELECT, blocks=1, words=False),
-    "split-register": dict(split=True, lookup=_nf4_decode.REGISTER, blocks=1, words=False),
-    "split-pair": dict(split=True, lookup=_nf4_decode.PAIR, blocks=1, words=False),
-    "split-pair-wide": dict(split=True, lookup=_nf4_decode.PAIR, blocks=2, words=False),
-    "join-gather-words": dict(split=False, lookup=_nf4_decode.GATHER, blocks=1, words=True),
-    "join-pair-words": dict(split=False, lookup=_nf4_decode.PAIR, blocks=1, words=True),
-    "split-pair-words": dict(split=True, lookup=_nf4_decode.PAIR, blocks=1, words=True),
-}
-# The variant calls launch; `python bench/bench_nf4_linear.py --variants all --rows 8 64` times them side by side.
-DECODE = "join-gather"
 
 
 @triton.jit
-def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, pj, n_ok, k, k_hi, BLOCKSIZE: tl.constexpr,
-                NESTED_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, SUB: tl.constexpr, PACK: tl.constexpr):
-    """What a step reads from HBM: its [BN, BK/PACK] packed bytes (PACK 2) or int32 words (PACK 8), each row's
-    block statistic (the fp32 absmax, or the uint8 code of a double-quantized one and its nested absmax): [BN], or
-    [BN, 2] when a step spans two blocks (SUB 2). A step at or past k_hi loads nothing."""
+def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, BLOCKSIZE: tl.constexpr,
+                NESTED_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr):
+    """What a step reads from HBM: its [BN, BK/2] packed bytes, each row's block statistic (the fp32 absmax, or the
+    uint8 code of a double-quantized one and its nested absmax). A step at or past k_hi loads nothing."""
     ok = n_ok & (tl.zeros_like(first_block) + k < k_hi)  # (a tensor compare: the interpreter's scalar one is no mask)
-    packed = tl.load(w_rows + (k // PACK + pj)[None, :], mask=ok[:, None], other=0)
+    packed = tl.load(w_rows + (k // 2 + j)[None, :], mask=ok[:, None], other=0)
     block = first_block + k // BLOCKSIZE
-    if SUB == 2:
-        block = block[:, None] + tl.arange(0, 2)[None, :]
-        ok = ok[:, None]
     stat = tl.load(absmax_ptr + block, mask=ok, other=0)
     if NESTED:
         nested = tl.load(absmax2_ptr + block // NESTED_BLOCKSIZE, mask=ok, other=0.0)
     else:
         nested = stat
     return packed, stat, nested
-
-
-@triton.jit
-def _step_scale(stat, nested, code2_ptr, offset, j, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                SUB: tl.constexpr):
-    """The fp32 block scale of a step's packed columns j: [BN, 1] (one block a step) or [BN, BK/2] (two)."""
-    if NESTED:
-        scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
-    else:
-        scale = stat.to(tl.float32)
-    if SUB == 2:
-        first, second = tl.split(scale)
-        return tl.where(j[None, :] < BLOCKSIZE // 2, first[:, None], second[:, None])
-    else:
-        return scale[:, None]
-
-
-@triton.jit
-def _mma(x, w, acc, NATIVE: tl.constexpr):
-    """acc + x @ w^T: half-precision inputs (w rounded to x's dtype) when NATIVE, else full fp32."""
-    if NATIVE:
-        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    else:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -131,17 +82,13 @@ def _nf4_lora_linear_kernel(
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
-    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, SPLIT_DOTS: tl.constexpr, LOOKUP: tl.constexpr,
-    SUB: tl.constexpr, PACK: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr,
 ):  # fmt: skip
-    # BK divides BLOCKSIZE (SUB 1) or is twice it (SUB 2), BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK:
-    # no step needs a K mask, and a step of a weight row lies in SUB quantization blocks.
+    # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
+    # step of a weight row lies in one quantization block.
     # A step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step ahead,
-    # carried in registers: the table lookups and the dots then never wait on HBM or L2.
-    # SPLIT_DOTS: x's and A's even and odd columns are loaded as two [., BK/2] tiles (strided) and each meets the
-    # weight's even or odd levels in its own dot; else the levels are interleaved (join + reshape) into one [BN, BK]
-    # operand. LOOKUP: how a nibble finds its level (fastgrpo/kernels/_nf4_decode.py). PACK: elements a packed
-    # value of w_ptr holds, 2 (bytes) or 8 (int32 words: a quarter of the registers for the prefetched tiles).
+    # carried in registers: the table lookups (gathers whose addresses are those bytes) and the dots then never wait
+    # on HBM or L2.
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (fp32 x, and the interpreter, whose half arithmetic is wrong).
     pid_n = tl.program_id(0)
@@ -155,76 +102,53 @@ def _nf4_lora_linear_kernel(
     n_ok = rn < N
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    pj = tl.arange(0, BK // PACK)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // PACK)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
         offset = tl.load(offset_ptr).to(tl.float32)
-    else:
-        offset = 0.0
-    table = _nf4_decode.levels(code_ptr, LOOKUP)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
         r_ok = rr < RANK
         a_rows = a_ptr + rr[:, None] * sar
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
-    p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, pj, n_ok, k_lo, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED, SUB, PACK)
-    p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, pj, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED, SUB, PACK)
-    if SPLIT_DOTS:
-        x1 = tl.load(x_rows + (k_lo + 2 * j)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-        x1o = tl.load(x_rows + (k_lo + 2 * j + 1)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-        if LORA:
-            a1 = tl.load(a_rows + (k_lo + 2 * j)[None, :] * sak, mask=r_ok[:, None], other=0.0)
-            a1o = tl.load(a_rows + (k_lo + 2 * j + 1)[None, :] * sak, mask=r_ok[:, None], other=0.0)
-    else:
-        x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-        if LORA:
-            a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
+    p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
+    if LORA:
+        a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
     for k in range(k_lo, k_hi, BK):
         packed, stat, nested = p1, s1, t1
         x = x1
-        if SPLIT_DOTS:
-            xo = x1o
-            even_k = k + BK + 2 * j
-            x1 = tl.load(x_rows + even_k[None, :] * sxk, mask=m_ok[:, None] & (even_k < k_hi)[None, :], other=0.0)
-            x1o = tl.load(x_rows + (even_k + 1)[None, :] * sxk, mask=m_ok[:, None] & (even_k < k_hi)[None, :],
-                          other=0.0)
-            if LORA:
-                a = a1
-                ao = a1o
-                a1 = tl.load(a_rows + even_k[None, :] * sak, mask=r_ok[:, None] & (even_k < k_hi)[None, :],
-                             other=0.0)
-                a1o = tl.load(a_rows + (even_k + 1)[None, :] * sak, mask=r_ok[:, None] & (even_k < k_hi)[None, :],
-                              other=0.0)
-        else:
-            x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+        x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+                     other=0.0)
+        if LORA:
+            a = a1
+            a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak, mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :],
                          other=0.0)
-            if LORA:
-                a = a1
-                a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak,
-                             mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :], other=0.0)
         p1, s1, t1 = p2, s2, t2
-        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, pj, n_ok, k + 2 * BK, k_hi,
-                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, SUB, PACK)
-        scale = _step_scale(stat, nested, code2_ptr, offset, j, BLOCKSIZE, NESTED, SUB)
-        w_even, w_odd = _nf4_decode.decode(packed, table, LOOKUP, PACK == 8)
-        w_even = w_even * scale
-        w_odd = w_odd * scale
-        if SPLIT_DOTS:
-            acc = _mma(x, w_even, acc, NATIVE)
-            acc = _mma(xo, w_odd, acc, NATIVE)
-            if LORA:
-                xa = _mma(x, a, xa, NATIVE)
-                xa = _mma(xo, ao, xa, NATIVE)
+        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
+                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+        if NESTED:
+            scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
-            w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
-            acc = _mma(x, w, acc, NATIVE)
-            if LORA:
-                xa = _mma(x, a, xa, NATIVE)
+            scale = stat.to(tl.float32)
+        w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
+        w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
+        w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
+        if NATIVE:
+            acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        else:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if LORA:
+            if NATIVE:
+                xa = tl.dot(x, tl.trans(a.to(x_ptr.dtype.element_ty)), xa)
+            else:
+                xa = tl.dot(x, tl.trans(a.to(tl.float32)), xa, input_precision="ieee")
     if LORA:
         b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         xa = xa * scaling
@@ -267,19 +191,15 @@ def _nf4_lora_linear_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
-def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device, variant: str | None = None) -> dict:
+def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     """Tiles and K splits of one call, from static shapes only. Every row in one tile up to 64 rows (the weight
-    is read once), _BLOCK_N (64) output columns a tile, steps of min(blocksize, 128) columns of K (a variant of 2
-    blocks a step: min(2 * blocksize, 128) where that divides K).
+    is read once), _BLOCK_N (64) output columns a tile, steps of min(blocksize, 128) columns of K.
     Rule: splits = min(ceil(2 * SMs / tiles), K / (2 * BK), 32), so that tiles x splits is ~2 programs per SM and
-    each split walks at least two steps (1.5B shapes on 132 SMs, BK 64: 1536x1536 -> 8 splits, 256x1536 -> 12,
+    each split walks at least two steps (1.5B shapes on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12,
     8960x1536 -> 2, 1536x8960 -> 11)."""
     bm = min(64, max(16, next_power_of_2(m)))
     bn = _BLOCK_N
     bk = min(blocksize, 128)
-    wide = min(blocksize * VARIANTS[variant or DECODE]["blocks"], 128)
-    if wide > bk and k % wide == 0:
-        bk = wide
     tiles = cdiv(m, bm) * cdiv(n, bn)
     want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), tiles)
     splits = max(1, min(want, k // (2 * bk), _MAX_SPLITS))
@@ -309,12 +229,10 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, n, lora_a, lora_b, scaling, bias, config=None, variant=None):
-    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests), `variant` DECODE."""
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, config=None):
+    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests)."""
     m, k = x2.shape
-    variant = variant or DECODE
-    spec = VARIANTS[variant]
-    config = config or launch_config(m, n, k, blocksize, x2.device, variant)
+    config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
     out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if splits > 1 else out
@@ -326,12 +244,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     lora = lora_a is not None
     rank = lora_a.shape[0] if lora else 0
     cuda = launch_like_cuda(x2)
-    table = _nf4_decode.pair_table(code) if spec["lookup"] == _nf4_decode.PAIR else code
-    words = spec["words"] and packed.data_ptr() % 4 == 0  # (K a multiple of blocksize >= 32: rows of whole words)
-    if words:
-        packed = packed.view(torch.int32)
     _nf4_lora_linear_kernel[grid](
-        x2, packed, absmax, table, nested_absmax if nested else absmax, nested_code if nested else code,
+        x2, packed, absmax, code, nested_absmax if nested else absmax, nested_code if nested else code,
         offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
         out, part, counters,
         m, n, k, config["k_per_split"], rank, float(scaling),
@@ -340,8 +254,6 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
         NATIVE=cuda and x2.dtype != torch.float32, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
-        SPLIT_DOTS=spec["split"], LOOKUP=spec["lookup"], SUB=max(1, config["BK"] // blocksize),
-        PACK=8 if words else 2,
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
