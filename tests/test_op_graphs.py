@@ -129,15 +129,17 @@ def test_row_counts_share_a_bucket():
 def test_a_larger_bucket_grows_the_staging_and_recaptures():
     _graphs.reset()
     weights, lora = layer(5)
-    for rows in (1280, 1280, 2560, 2560, 1280, 1280):
+    for rows in (1280, 1280, 2560, 2560, 2560, 1280, 1280, 1280):
         x, dy = inputs(rows, seed=rows)
         with graphs(False):
             want = forward_backward(weights, lora, x, dy)
+        replayed = _graphs.stats["replayed"]
         with graphs(True):
             got = forward_backward(weights, lora, x, dy)
         assert_same(got, want, exact=True)
-    # 1280 captured, dropped when 2560 grew the row buffers, then eager and captured again
-    assert _graphs.stats["captured"] == 6 and _graphs.stats["eager"] == 6
+    # The 1280-row graphs, dropped when 2560 rows grew the row buffers, are captured again over the larger buffers
+    assert _graphs.stats["replayed"] == replayed + 2
+    assert all(buffer.shape[0] >= 2560 for key, buffer in _graphs._staging.items() if "rows" in key)
 
 
 @pytest.mark.gpu
