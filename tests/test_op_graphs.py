@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastgrpo.kernels import _graphs
+from fastgrpo.kernels import gated_mlp as gated_mlp_module
 from fastgrpo.kernels.gated_mlp import _replays, gated_mlp
 
 
@@ -136,7 +137,8 @@ def test_a_larger_bucket_grows_the_staging_and_recaptures():
         replayed = _graphs.stats["replayed"]
         with graphs(True):
             got = forward_backward(weights, lora, x, dy)
-        assert_same(got, want, exact=True)
+        # The same bits where a replayed call is chunked as an eager one (2560 rows: two chunks against one)
+        assert_same(got, want, exact=rows <= gated_mlp_module.GRAPH_CHUNK_ROWS)
     # The 1280-row graphs, dropped when 2560 rows grew the row buffers, are captured again over the larger buffers
     assert _graphs.stats["replayed"] == replayed + 2
     assert all(buffer.shape[0] >= 2560 for key, buffer in _graphs._staging.items() if "rows" in key)
