@@ -266,3 +266,34 @@ def test_cuda_graphs_skip_the_host_cpu_vector_probe(monkeypatch):
     assert cpu_vector_probe_off([torch.zeros(2), 3]) == {}
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
     assert cpu_vector_probe_off([on_cuda]) == {}
+
+
+def test_graphs_calling_the_attention_pass_functions_are_cached():
+    """A graph whose SDPA call the attention pass reroutes (through a Python function of fastgrpo's) is saved and
+    loaded by AOTAutograd's cache, not bypassed: on CUDA every decoder layer's training graph has one."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+
+    from fastgrpo.compiler.backend import fastgrpo_backend
+    from fastgrpo.compiler.report import fusion_reports
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    def run():
+        torch._dynamo.reset()
+        counters.clear()
+        q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)).requires_grad_()
+                   for i in range(3))
+        compiled = torch.compile(attend, backend=fastgrpo_backend,
+                                 options={"inner": "inductor", "keep_attention_output": True})
+        compiled(q, k, v).backward()
+        copies = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.testing.assert_close(q.grad, torch.autograd.grad(attend(*copies), copies[0])[0])
+        return {key: counters["aot_autograd"][key]
+                for key in ("autograd_cache_bypass", "autograd_cache_miss", "autograd_cache_hit")}
+
+    with fresh_inductor_cache():
+        assert run() == {"autograd_cache_bypass": 0, "autograd_cache_miss": 1, "autograd_cache_hit": 0}
+        assert any(r["patterns"]["attention"]["matched"] for r in fusion_reports())  # the pass did reroute it
+        assert run() == {"autograd_cache_bypass": 0, "autograd_cache_miss": 0, "autograd_cache_hit": 1}

@@ -12,7 +12,8 @@ import warnings
 import torch
 from torch import fx
 
-from fastgrpo.compiler.cache import cacheable_autograd_functions, recovering, tagged_cache_keys
+from fastgrpo.compiler.cache import (cacheable_autograd_functions, cacheable_pass_functions, recovering,
+                                     tagged_cache_keys)
 from fastgrpo.compiler.options import Options
 from fastgrpo.compiler.report import format_reports, new_report, publish
 from fastgrpo.passes import PASSES, autocast, linear_forms
@@ -111,7 +112,7 @@ def _inner_compiler(options: Options, mode: str | None):
 
     def compile(gm, example_inputs):
         patches = {**cpu_vector_probe_off(example_inputs), **config}
-        with tagged_cache_keys(), cacheable_autograd_functions():
+        with tagged_cache_keys(), cacheable_autograd_functions(), cacheable_pass_functions():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile

@@ -25,6 +25,13 @@ so both are in the cache key: the backend turns the setting on for the graphs it
 (`cacheable_autograd_functions`). Its environment variable `TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`
 still turns it off.
 
+Pass functions. Where the attention pass reroutes an SDPA call, the graph calls a Python function of fastgrpo's
+(`fastgrpo.kernels.attention.attention`, `passes.attention.sdpa_preferring_cudnn`), which AOTAutograd traces
+into torch ops but whose call its cache refuses like any function outside torch: every CUDA training graph of a
+decoder layer compiled again in each process. The backend marks these functions cacheable through inductor's
+`unsafe_marked_cacheable_functions`, keyed by fastgrpo's source hash, so an edit of them is another key
+(`cacheable_pass_functions`).
+
 Integrity. torch writes each file atomically, but a file can be damaged afterwards (disk, copies, tools).
 After every inductor compile of the backend a manifest stores each file's SHA-256 (`record`: only new or
 changed files are hashed); at the next enable a file that no longer matches is deleted, with one warning,
@@ -107,6 +114,17 @@ def cacheable_autograd_functions():
     if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
         return contextlib.nullcontext()
     return config.patch(autograd_cache_allow_custom_autograd_functions=True)
+
+
+def cacheable_pass_functions():
+    """A context in which AOTAutograd caches graphs that call the Python functions the passes make graph calls
+    (`passes.CALL_TARGETS`, see the module docstring), each keyed by fastgrpo's source hash, beside the user's."""
+    from torch._inductor import config
+
+    from fastgrpo.passes import CALL_TARGETS
+
+    marked = {f"{f.__module__}.{f.__name__}": f"fastgrpo-{source_hash()}" for f in CALL_TARGETS}
+    return config.patch(unsafe_marked_cacheable_functions={**config.unsafe_marked_cacheable_functions, **marked})
 
 
 def _version(package: str) -> str | None:

@@ -34,4 +34,7 @@ PASSES = {
     joined_projections.NAME: joined_projections,
 }
 
-__all__ = ["PASSES", "PatternRecord"]
+# Python functions (not torch ops) that passes make graph calls: the backend marks them cacheable for AOTAutograd.
+CALL_TARGETS = attention.CALL_TARGETS
+
+__all__ = ["CALL_TARGETS", "PASSES", "PatternRecord"]

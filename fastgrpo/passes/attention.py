@@ -65,6 +65,11 @@ def sdpa_preferring_cudnn(*args, **kwargs):
         return F.scaled_dot_product_attention(*args, **kwargs)
 
 
+# The Python functions this pass makes a graph call (not torch ops): the backend marks them cacheable for
+# AOTAutograd, which otherwise refuses every graph that calls one (compiler/cache.py `cacheable_pass_functions`).
+CALL_TARGETS = (attention_kernel.attention, sdpa_preferring_cudnn)
+
+
 def _sdpa_inputs(node: fx.Node) -> dict:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = (None, None, None, None, 0.0, False, None, False)
