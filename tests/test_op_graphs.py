@@ -155,3 +155,17 @@ def test_least_recently_used_graphs_are_dropped(monkeypatch):
             with graphs(True):
                 forward_backward(weights, lora, x, dy)
     assert len(_graphs._graphs) <= 2 and _graphs.stats["captured"] == 0
+
+
+@pytest.mark.gpu
+def test_inference_mode_calls_run_as_they_are():
+    _graphs.reset()
+    weights, lora = layer(9)
+    x, _ = inputs(1280, seed=10)
+    with graphs(True):
+        with torch.inference_mode():
+            for _ in range(2):
+                gated_mlp(x, weights["w_gate"], weights["w_up"], *list(lora.values())[:4], 2.0, "silu",
+                          weights["w_down"], *list(lora.values())[4:], 0.5)
+        assert _graphs.stats == {"captured": 0, "replayed": 0, "eager": 0} and not _graphs._staging
+        forward_backward(weights, lora, x, torch.ones_like(x))  # a later call outside it runs as usual

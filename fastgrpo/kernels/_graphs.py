@@ -26,7 +26,7 @@ are kept.
 
 A key is captured at its second call (a row count seen once is not worth a capture: the first call runs the body
 as it is), after one warm-up run on the capture stream, as torch's CUDA-graph rules ask. Calls run the body as it
-is off CUDA, inside another capture, and when `ENABLED` is off (FASTGRPO_OP_GRAPHS=0).
+is off CUDA, inside another capture, in inference mode, and when `ENABLED` is off (FASTGRPO_OP_GRAPHS=0).
 """
 from __future__ import annotations
 
@@ -108,8 +108,10 @@ def _stage(staged: list[torch.Tensor], rows: list[torch.Tensor], others: list[to
 
 
 def applies(device: torch.device) -> bool:
-    """Whether calls on `device` may be replayed (CUDA, enabled, not inside another capture)."""
-    return ENABLED and device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    """Whether calls on `device` may be replayed: CUDA, enabled, not inside another capture, not in inference mode
+    (staging buffers made there could not be written by later calls outside it)."""
+    return (ENABLED and device.type == "cuda" and not torch.is_inference_mode_enabled()
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, rows: tuple, others: tuple,
