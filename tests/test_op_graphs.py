@@ -26,6 +26,15 @@ def test_cpu_calls_run_as_they_are():
     assert not _replays(x, w) and not _graphs.applies(x.device)
 
 
+def test_the_output_of_a_3d_input_is_no_view():
+    """The op reshapes x to rows; its output must still be a tensor of its own (a model may add into it in place)."""
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w_gate, w_up, w_down = torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+    y = gated_mlp(x, w_gate, w_up, w_down=w_down)
+    assert y.shape == (2, 3, 8) and y._base is None
+    y.add_(1.0).sum().backward()
+
+
 @contextlib.contextmanager
 def graphs(enabled: bool):
     before = _graphs.ENABLED
@@ -58,6 +67,7 @@ def forward_backward(weights, lora, x, dy):
     x = x.detach().requires_grad_()
     y = gated_mlp(x, weights["w_gate"], weights["w_up"], lora["gate_lora_a"], lora["gate_lora_b"], lora["up_lora_a"],
                   lora["up_lora_b"], 2.0, "silu", weights["w_down"], lora["down_lora_a"], lora["down_lora_b"], 0.5)
+    assert y._base is None  # an op output that is a view could not be modified in place
     leaves = [x, *lora.values()]
     return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
 

@@ -115,10 +115,12 @@ def applies(device: torch.device) -> bool:
 
 
 def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, rows: tuple, others: tuple,
-             consts: tuple, row_outputs: tuple[int, ...]) -> list[torch.Tensor]:
+             consts: tuple, row_outputs: tuple[int, ...], lead: tuple[int, ...] | None = None) -> list[torch.Tensor]:
     """`call(rows, others)` - the op's body with `weights` and `consts` (hashable) bound in it - replayed as a CUDA
     graph: see the module docstring. `rows` have one row count (first dimension, > 0); the body must not have
-    Python side effects that each call needs (they would run at the capture only). Returns the body's outputs."""
+    Python side effects that each call needs (they would run at the capture only). Returns the body's outputs, each
+    a tensor of its own (no view: a custom op's output that is a view cannot be modified in place); `lead` replaces
+    the row dimension of the row outputs (e.g. the leading dimensions of a 3-D input)."""
     n = rows[0].shape[0]
     padded = bucket_rows(n)
     key = (name, tuple(w.data_ptr() if w is not None else None for w in weights),
@@ -147,8 +149,9 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
     entry.graph.replay()
     stats["replayed"] += 1
     sources = [out[:n] if i in row_outputs else out for i, out in enumerate(entry.outputs)]
-    results = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
-    torch._foreach_copy_(results, sources)  # one launch for all of them
+    results = [torch.empty((*lead, *t.shape[1:]) if lead is not None and i in row_outputs else t.shape, dtype=t.dtype,
+                           device=t.device) for i, t in enumerate(sources)]
+    torch._foreach_copy_([r.view(t.shape) for r, t in zip(results, sources)], sources)  # one launch for all of them
     return results
 
 

@@ -155,11 +155,10 @@ def _gated_mlp_op(
             "gated_mlp", lambda rows, lora: _forward(rows[0], w_gate, w_up, *lora[:4], lora_scale, activation, w_down,
                                                      *lora[4:], down_lora_scale, False, False, GRAPH_CHUNK_ROWS),
             (w_gate, w_up, w_down), (x2d,), (*factors, down_lora_a, down_lora_b),
-            (lora_scale, activation, down_lora_scale, GRAPH_CHUNK_ROWS), row_outputs=(0,))
-        return out.view(*x.shape[:-1], out.shape[-1]), gu
-    out, gu = _forward(x2d, w_gate, w_up, *factors, lora_scale, activation, w_down, down_lora_a, down_lora_b,
-                       down_lora_scale, save_projections, skip_output)
-    return out.view(*x.shape[:-1], out.shape[-1]), gu
+            (lora_scale, activation, down_lora_scale, GRAPH_CHUNK_ROWS), row_outputs=(0,), lead=tuple(x.shape[:-1]))
+        return out, gu
+    return _forward(x2d, w_gate, w_up, *factors, lora_scale, activation, w_down, down_lora_a, down_lora_b,
+                    down_lora_scale, save_projections, skip_output, lead=tuple(x.shape[:-1]))
 
 
 def _replays(x2d, w_gate) -> bool:
@@ -170,13 +169,16 @@ def _replays(x2d, w_gate) -> bool:
 
 
 def _forward(x2d, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, lora_scale, activation, w_down,
-             down_lora_a, down_lora_b, down_lora_scale, save_projections, skip_output, chunk_rows=None):
-    """The op on x2d [rows, H] (see _gated_mlp_op): (out [rows, width], saved projections); chunks of at most
-    `chunk_rows` rows if given."""
+             down_lora_a, down_lora_b, down_lora_scale, save_projections, skip_output, chunk_rows=None, lead=None):
+    """The op on x2d [rows, H] (see _gated_mlp_op): (out [*lead, width] (lead: (rows,) if None), saved projections);
+    chunks of at most `chunk_rows` rows if given. out is a tensor of its own, not a view (an op output that is a view
+    cannot be modified in place)."""
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
     inter = w_gate.shape[0]
     width = _out_width(w_gate, w_down)
-    out2d = (torch.zeros if skip_output else torch.empty)(x2d.shape[0], width, dtype=x2d.dtype, device=x2d.device)
+    lead = (x2d.shape[0],) if lead is None else lead
+    out = (torch.zeros if skip_output else torch.empty)(*lead, width, dtype=x2d.dtype, device=x2d.device)
+    out2d = out.view(-1, width)
     gu = _saved_projections(x2d, w_gate, save_projections)
     a = stacked_lora_a(factors)
     joined = joined_weight(w_gate, w_up, factors, x2d.shape[0])
@@ -188,7 +190,7 @@ def _forward(x2d, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, 
         else:
             _forward_rows(x2d[start:end], w_gate, w_up, factors, a, lora_scale, joined, activation, w_down, down,
                           joined_down, out2d[start:end], gu[start:end] if save_projections else None)
-    return out2d, gu
+    return out, gu
 
 
 @_gated_mlp_op.register_fake
@@ -228,13 +230,11 @@ def _gated_mlp_backward_op(
                                          w_down, *lora[4:], down_lora_scale, None, GRAPH_CHUNK_ROWS),
             (w_gate, w_up, w_down), (d_out.reshape(x2d.shape[0], -1), x2d), (*factors, down_lora_a, down_lora_b),
             (lora_scale, activation, tuple(needs), down_lora_scale, GRAPH_CHUNK_ROWS),
-            row_outputs=(0,) if needs[0] else ())
+            row_outputs=(0,) if needs[0] else (), lead=tuple(x.shape[:-1]))
     else:
         grads = _backward(d_out, x, w_gate, w_up, *factors, lora_scale, activation, needs, w_down, down_lora_a,
                           down_lora_b, down_lora_scale, saved)
     _dispatch.backward_peak_passed()
-    if needs[0]:
-        grads[0] = grads[0].view(x.shape)
     return grads
 
 
