@@ -35,6 +35,38 @@ def test_the_output_of_a_3d_input_is_no_view():
     y.add_(1.0).sum().backward()
 
 
+def test_staging_buckets_and_outputs_on_cpu(monkeypatch):
+    """Everything of a replayed call but the capture: staging, padding to the bucket, the outputs' shapes and values
+    (a stand-in graph re-runs the body into the staging outputs; capturing needs a GPU)."""
+
+    def capture(entry, rows, others, call, row_outputs, padded, device):
+        entry.outputs = _graphs.output_staging(list(call(tuple(rows), tuple(others))), row_outputs, padded, device)
+
+        class Rerun:
+            def replay(self):
+                for buffer, t in zip(entry.outputs, call(tuple(rows), tuple(others))):
+                    buffer.copy_(t)
+
+        entry.graph = Rerun()
+
+    _graphs.reset()
+    monkeypatch.setattr(_graphs, "_capture", capture)
+    monkeypatch.setattr(_graphs, "applies", lambda device: _graphs.ENABLED)
+    weights, lora = layer(11, hidden=32, inter=64, rank=4, device="cpu")
+    for rows in (600, 620, 600):  # 1200, 1240, 1200 rows: one bucket (1280) of padded rows
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(2, rows, 32, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(2, rows, 32, generator=gen).to(torch.bfloat16)
+        with graphs(False):
+            want = forward_backward(weights, lora, x, dy)
+        with graphs(True):
+            got = forward_backward(weights, lora, x, dy)
+        assert_same(got, want, exact=False)
+    assert _graphs.stats == {"captured": 2, "replayed": 4, "eager": 2}
+    assert {buffer.shape[0] for key, buffer in _graphs._staging.items() if "rows" in key} == {1280}
+    _graphs.reset()
+
+
 @contextlib.contextmanager
 def graphs(enabled: bool):
     before = _graphs.ENABLED

@@ -115,12 +115,14 @@ def applies(device: torch.device) -> bool:
 
 
 def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, rows: tuple, others: tuple,
-             consts: tuple, row_outputs: tuple[int, ...], lead: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+             consts: tuple, row_outputs: tuple[int, ...],
+             lead: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
     """`call(rows, others)` - the op's body with `weights` and `consts` (hashable) bound in it - replayed as a CUDA
     graph: see the module docstring. `rows` have one row count (first dimension, > 0); the body must not have
     Python side effects that each call needs (they would run at the capture only). Returns the body's outputs, each
     a tensor of its own (no view: a custom op's output that is a view cannot be modified in place); `lead` replaces
-    the row dimension of the row outputs (e.g. the leading dimensions of a 3-D input)."""
+    the row dimension of the row outputs (e.g. the leading dimensions of a 3-D input). Returns None at a key's first
+    call: the op then runs as it does without graphs."""
     n = rows[0].shape[0]
     padded = bucket_rows(n)
     key = (name, tuple(w.data_ptr() if w is not None else None for w in weights),
@@ -132,7 +134,7 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
         if len(_graphs) > MAX_GRAPHS:
             _graphs.popitem(last=False)
         stats["eager"] += 1
-        return list(call(rows, others))
+        return None
     _graphs.move_to_end(key)
     device = rows[0].device
     if entry.graph is None:
@@ -164,8 +166,7 @@ def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> 
     with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before the capture
         warm = list(call(tuple(rows), tuple(others)))
     torch.cuda.current_stream(device).wait_stream(stream)
-    entry.outputs = [_row_staging("out", i, padded, tuple(t.shape[1:]), t.dtype, device) if i in row_outputs
-                     else _staging_buffer("out", i, tuple(t.shape), t.dtype, device) for i, t in enumerate(warm)]
+    entry.outputs = output_staging(warm, row_outputs, padded, device)
     del warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -174,6 +175,12 @@ def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> 
             buffer.copy_(t)
         del outputs
     entry.graph = graph
+
+
+def output_staging(outputs: list[torch.Tensor], row_outputs, padded: int, device) -> list[torch.Tensor]:
+    """The staging buffers a graph writes `outputs` (a warm-up run's) into."""
+    return [_row_staging("out", i, padded, tuple(t.shape[1:]), t.dtype, device) if i in row_outputs
+            else _staging_buffer("out", i, tuple(t.shape), t.dtype, device) for i, t in enumerate(outputs)]
 
 
 def graph_pool_bytes() -> int:

@@ -151,12 +151,13 @@ def _gated_mlp_op(
                 _saved_projections(x, w_gate, False))
     x2d = x.reshape(-1, x.shape[-1])
     if not skip_output and not save_projections and _replays(x2d, w_gate):
-        out, gu = _graphs.replayed(
+        outputs = _graphs.replayed(
             "gated_mlp", lambda rows, lora: _forward(rows[0], w_gate, w_up, *lora[:4], lora_scale, activation, w_down,
                                                      *lora[4:], down_lora_scale, False, False, GRAPH_CHUNK_ROWS),
             (w_gate, w_up, w_down), (x2d,), (*factors, down_lora_a, down_lora_b),
             (lora_scale, activation, down_lora_scale, GRAPH_CHUNK_ROWS), row_outputs=(0,), lead=tuple(x.shape[:-1]))
-        return out, gu
+        if outputs is not None:
+            return tuple(outputs)
     return _forward(x2d, w_gate, w_up, *factors, lora_scale, activation, w_down, down_lora_a, down_lora_b,
                     down_lora_scale, save_projections, skip_output, lead=tuple(x.shape[:-1]))
 
@@ -223,6 +224,7 @@ def _gated_mlp_backward_op(
     saved = saved_projections if saved_projections is not None and saved_projections.numel() else None
     x2d = x.reshape(-1, x.shape[-1])
     factors = (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b)
+    grads = None
     if saved is None and _replays(x2d, w_gate):
         grads = _graphs.replayed(
             "gated_mlp_backward",
@@ -231,7 +233,7 @@ def _gated_mlp_backward_op(
             (w_gate, w_up, w_down), (d_out.reshape(x2d.shape[0], -1), x2d), (*factors, down_lora_a, down_lora_b),
             (lora_scale, activation, tuple(needs), down_lora_scale, GRAPH_CHUNK_ROWS),
             row_outputs=(0,) if needs[0] else (), lead=tuple(x.shape[:-1]))
-    else:
+    if grads is None:
         grads = _backward(d_out, x, w_gate, w_up, *factors, lora_scale, activation, needs, w_down, down_lora_a,
                           down_lora_b, down_lora_scale, saved)
     _dispatch.backward_peak_passed()
