@@ -21,6 +21,13 @@ def test_bucket_rows():
         assert rows <= padded <= rows + max(127, rows // 8)
 
 
+def test_log_fields(monkeypatch):
+    monkeypatch.setattr(_graphs, "stats", {"captured": 0, "replayed": 0, "eager": 0})
+    assert _graphs.log_fields() == {}  # nothing went through the graphs (every CPU run)
+    monkeypatch.setattr(_graphs, "stats", {"captured": 2, "replayed": 40, "eager": 2})
+    assert _graphs.log_fields() == {"op_graphs/captured": 2, "op_graphs/replayed": 40, "op_graphs/eager": 2}
+
+
 def test_cpu_calls_run_as_they_are():
     x, w = torch.zeros(4, 8), torch.zeros(16, 8)
     assert not _replays(x, w) and not _graphs.applies(x.device)

@@ -192,6 +192,15 @@ def graph_pool_bytes() -> int:
                if tuple(segment.get("segment_pool_id", ())) in pools)
 
 
+def log_fields() -> dict:
+    """The counts a training log carries (`op_graphs/captured`, `/replayed`, `/eager`: calls since the process
+    began) once any call went through here; a run whose row counts keep changing shows captures growing with
+    replays."""
+    if not any(stats.values()):
+        return {}
+    return {f"op_graphs/{key}": value for key, value in stats.items()}
+
+
 def staging_bytes() -> int:
     return sum(t.numel() * t.element_size() for t in _staging.values())
 

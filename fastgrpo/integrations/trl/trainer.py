@@ -19,6 +19,7 @@ from fastgrpo.integrations.compile_log import CompileLog, FusionSummary
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
 from fastgrpo.integrations.unwrap import causal_lm_of
+from fastgrpo.kernels import _graphs
 from fastgrpo.versions import warn_untested_versions
 from fastgrpo.integrations.trl.config import GRPOConfig
 from fastgrpo.integrations.trl.hooks import (
@@ -179,6 +180,7 @@ class GRPOTrainer(TRLGRPOTrainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         logs.update(self._compile_log.pop_fields())  # the first entry after the first step: compile_s, cache use
+        logs.update(_graphs.log_fields())  # op bodies replayed as CUDA graphs (fastgrpo/kernels/_graphs.py)
         super().log(logs, start_time)
 
     def _offload_on(self) -> bool:
