@@ -155,10 +155,9 @@ def test_qlora_layer_graphs_load_from_the_cache_in_a_second_process(tmp_path):
     cold_aot, warm_aot = cold["counters"]["aot_autograd"], warm["counters"]["aot_autograd"]
     assert cold_aot.get("autograd_cache_saved", 0) == graphs, cold_aot
     assert warm_aot.get("autograd_cache_hit", 0) == graphs and warm_aot.get("autograd_cache_saved", 0) == 0, warm_aot
-    # A frame compile that Dynamo restarts (under dynamic shapes a symbolic float, RMSNorm's eps, is specialized in
-    # AOTAutograd) looks its graph up once before the restart: a miss that nothing is saved for, in every process.
-    restarted = cold_aot["autograd_cache_miss"] - cold_aot["autograd_cache_saved"]
-    assert warm_aot.get("autograd_cache_miss", 0) == restarted, warm_aot
+    # No frame compile restarts (a symbolic float specialized in AOTAutograd would make Dynamo trace the layer again
+    # after a lookup that misses in every process: compiler/regions.py specializes floats up front).
+    assert cold_aot["autograd_cache_miss"] == graphs and warm_aot.get("autograd_cache_miss", 0) == 0, (cold_aot, warm_aot)
     use = cache_use(warm)
     assert use["fx_misses"] == 0 and use["fx_hits"] == cache_use(cold)["fx_misses"], (use, cache_use(cold))
     assert [warm[k] for k in ("hidden", "grads", "scored")] == [cold[k] for k in ("hidden", "grads", "scored")]

@@ -20,12 +20,18 @@ even in a no-grad pass) and the layers after it: so a no-grad call detaches its 
 one no-grad graph serves every layer (the scoring passes of GRPO's old policy and reference).
 
 Under DistributedDataParallel the compiled calls run outside Dynamo's DDPOptimizer (`unsplit_by_ddp`).
+
+A block's float attributes (RMSNorm's eps, attention's scaling) are the same in every layer, yet a region compiled
+with dynamic shapes would trace them as symbolic inputs: AOTAutograd then specializes them at the custom ops that
+take a float, and Dynamo restarts the frame's compile (a second trace, and an AOTAutograd cache miss in every
+process). The compiled calls trace with Dynamo's `specialize_float` on: floats become constants, guarded by value.
 """
 import contextlib
 import warnings
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch.nn.parallel import DistributedDataParallel
 
 from fastgrpo.compiler.backend import fastgrpo_backend
@@ -71,8 +77,8 @@ def _without_grad_flags(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _eager_with_cache(block: nn.Module, compiled):
-    """The block's compiled call (unsplit by DDP), except for calls that carry a KV cache; no-grad calls with
-    their inputs detached (see the module docstring)."""
+    """The block's compiled call (unsplit by DDP, floats specialized), except for calls that carry a KV cache;
+    no-grad calls with their inputs detached (see the module docstring)."""
 
     def call(*args, **kwargs):
         if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
@@ -86,8 +92,12 @@ def _eager_with_cache(block: nn.Module, compiled):
             return block._call_impl(*args, **kwargs)
         if not torch.is_grad_enabled():
             args, kwargs = _without_grad_flags(args, kwargs)
-        with unsplit_by_ddp():
-            return compiled(*args, **kwargs)
+        specialize_float, dynamo_config.specialize_float = dynamo_config.specialize_float, True
+        try:
+            with unsplit_by_ddp():
+                return compiled(*args, **kwargs)
+        finally:
+            dynamo_config.specialize_float = specialize_float
 
     return call
 
