@@ -77,7 +77,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_nojoin": None,
-    "fastgrpo_combo": {"inductor_config": {"combo_kernels": True}},
+    "fastgrpo_combo": {"combo_kernels": True},
     "fastgrpo_packed": None,
     "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,

@@ -267,6 +267,25 @@ def test_cuda_graphs_skip_the_host_cpu_vector_probe(monkeypatch):
     assert cpu_vector_probe_off([on_cuda]) == {}
 
 
+def test_combo_kernels_on_cuda_graphs_where_asked(monkeypatch):
+    """Combo kernels are asked of inductor for graphs on CUDA only, by the option or, when it is unset, by
+    $FASTGRPO_COMBO_KERNELS=1."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastgrpo.compiler.backend import combo_kernels
+    from fastgrpo.compiler.options import Options
+
+    with FakeTensorMode():
+        on_cuda = torch.empty(2, device="cuda")
+    monkeypatch.delenv("FASTGRPO_COMBO_KERNELS", raising=False)
+    assert combo_kernels(Options(), [on_cuda]) == {}
+    assert combo_kernels(Options(combo_kernels=True), [on_cuda, 3]) == {"combo_kernels": True}
+    assert combo_kernels(Options(combo_kernels=True), [torch.zeros(2)]) == {}
+    monkeypatch.setenv("FASTGRPO_COMBO_KERNELS", "1")
+    assert combo_kernels(Options(), [on_cuda]) == {"combo_kernels": True}
+    assert combo_kernels(Options(combo_kernels=False), [on_cuda]) == {}
+
+
 def test_graphs_calling_the_attention_pass_functions_are_cached():
     """A graph whose SDPA call the attention pass reroutes (through a Python function of fastgrpo's) is saved and
     loaded by AOTAutograd's cache, not bypassed: on CUDA every decoder layer's training graph has one."""

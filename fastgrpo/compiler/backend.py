@@ -7,6 +7,7 @@ matched, and the rewritten graph goes on to the inner compiler: inductor by defa
 everything we do not match is compiled as usual.
 """
 import copy
+import os
 import warnings
 
 import torch
@@ -93,6 +94,16 @@ def cpu_vector_probe_off(example_inputs) -> dict:
     return {"cpp.vec_isa_ok": False}
 
 
+def combo_kernels(options: Options, example_inputs) -> dict:
+    """Inductor config turning combo kernels on for a graph on CUDA, where `options.combo_kernels` (None:
+    $FASTGRPO_COMBO_KERNELS=1) asks for them; a user's `inductor_config` wins."""
+    wanted = options.combo_kernels
+    if wanted is None:
+        wanted = os.environ.get("FASTGRPO_COMBO_KERNELS", "0") == "1"
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return {"combo_kernels": True} if wanted and on_cuda else {}
+
+
 def _inner_compiler(options: Options, mode: str | None):
     if options.inner == "eager":
         return lambda gm, example_inputs: gm.forward
@@ -111,7 +122,7 @@ def _inner_compiler(options: Options, mode: str | None):
     inner = recovering(compile_fx_inner)
 
     def compile(gm, example_inputs):
-        patches = {**cpu_vector_probe_off(example_inputs), **config}
+        patches = {**cpu_vector_probe_off(example_inputs), **combo_kernels(options, example_inputs), **config}
         with tagged_cache_keys(), cacheable_autograd_functions(), cacheable_pass_functions():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
