@@ -67,6 +67,17 @@ run_step() {
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
     tests_failed) step tests_failed ${FAILED_CAP:-240} "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
+    # The GPU tests with inductor's combo kernels on in every fastgrpo-compiled CUDA graph (the backend option's
+    # environment default), before that option's default changes.
+    tests_combo) step tests_combo 240 "$OURS $ONE_GPU FASTGRPO_COMBO_KERNELS=1 FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
+    # The policy step on each of SHAPES (bench/_harness.py names), fastgrpo, Unsloth and inductor one process each,
+    # at COMPLETIONS (Unsloth at the same lengths); SHAPE_CAP seconds a process.
+    shapes)
+      for shape in ${SHAPES:-qwen2.5-0.5b gemma-2-2b qwen2.5-7b llama-3.1-8b}; do
+        step "fastgrpo_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions $COMPLETIONS $STEP_ARGS
+        step "unsloth_$shape" ${SHAPE_CAP:-120} "$PEERS" python3 bench/peers/unsloth_step.py ${COMPLETIONS//,/ } --shape $shape $STEP_ARGS
+        step "inductor_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems inductor --shape $shape --completions $COMPLETIONS $STEP_ARGS
+      done ;;
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
     # SPREAD_PROMPT / SPREAD_COMPLETIONS: prompt length and longest completion of the spread rows (default 256 / 4096);
     # PACKED_CAP: the packed step's seconds.
