@@ -74,6 +74,8 @@ def _bad_input_cases(tmp_path, model_dir):
     broken.write_text("max_steps: 3\nlearning_rate: [1e-4\nbeta: 0.0\n")
     options = tmp_path / "options.yaml"
     options.write_text("fastgrpo_compile_options:\n  inner: eager\n  patern: [rope]\n")
+    dropout = tmp_path / "dropout.yaml"
+    dropout.write_text("lora_dropout: 1.0\n")
     model = ["--model", str(model_dir)]
     return {
         "missing model": (["train", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
@@ -90,6 +92,10 @@ def _bad_input_cases(tmp_path, model_dir):
         "missing dataset": (["train", *model, "--dataset", str(tmp_path / "rows.jsonl")], "rows.jsonl' does not exist"),
         "bad GRPO value": (["train", *model, "--num-generations", "3", "--per-device-train-batch-size", "4",
                             "--cpu-threads", str(torch.get_num_threads())], "config: "),
+        "zero LoRA rank": (["train", *model, "--lora-r", "0"], "--lora-r / lora_r = 0; it takes a positive integer"),
+        "negative learning rate": (["train", *model, "--learning-rate", "-1"], "--learning-rate / learning_rate = -1.0"),
+        "zero steps": (["train", *model, "--max-steps", "0"], "--max-steps / max_steps = 0; it takes a positive"),
+        "dropout of 1 in config": (["train", *model, "--config", str(dropout)], "lora_dropout = 1.0; it takes a number"),
         "report missing model": (["report", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
         "report unknown arch": (["report", "--arch", "lama"], "unknown architecture 'lama'"),
     }

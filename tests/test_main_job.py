@@ -227,6 +227,14 @@ def test_dataset_file_and_config_precedence(model_dir, tmp_path):
     assert len(lines) == 1 and "kl" not in lines[0]  # beta 0 from the file: no reference pass
 
 
+def test_yaml_numbers_without_a_dot_are_read_as_numbers(tmp_path):
+    # YAML 1.1 reads 1e-4 as text; GRPOConfig would keep it and the optimizer refuse it after the model loaded.
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("learning_rate: 1e-4\nlora_alpha: 3e1\nmax_grad_norm: 5e-1\n")
+    job, train = main_job.resolve_settings(main_job.build_parser().parse_args(["--config", str(grpo)]))
+    assert (train["learning_rate"], job["lora_alpha"], train["max_grad_norm"]) == (1e-4, 30.0, 0.5)
+
+
 def test_unknown_config_key_is_rejected(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"max_stepz": 3}))

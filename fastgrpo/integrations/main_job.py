@@ -196,13 +196,16 @@ def _parse_backend_options(text: str) -> dict:
 
 def resolve_settings(args: argparse.Namespace) -> tuple[dict, dict]:
     """(job settings, GRPOConfig kwargs) after defaults < config file < flags."""
-    grpo_fields = {f.name for f in dataclasses.fields(trainer_classes()[0])}
+    config_fields = dataclasses.fields(trainer_classes()[0])
+    grpo_fields = {f.name for f in config_fields}
     merged = {**JOB_DEFAULTS, **TRAIN_DEFAULTS}
     if args.config:
         from_file = _read_config_file(args.config)
         unknown = sorted(set(from_file) - grpo_fields - set(JOB_KEYS))
         if unknown:
             raise UserError(f"{args.config}: unknown keys {unknown} (not GRPOConfig fields nor job keys {list(JOB_KEYS)})")
+        floats = {f.name for f in config_fields if "float" in str(f.type) and "str" not in str(f.type)}
+        from_file = _floats_read(from_file, floats | {"lora_alpha", "lora_dropout"})
         if from_file.get("dataset") is not None:
             merged["task"] = None
         merged.update(from_file)
@@ -234,8 +237,49 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict, dict]:
     job = {key: merged.pop(key) for key in JOB_KEYS}
     if job["dataset"] is None and job["task"] is None:
         raise UserError("give --task or --dataset")
+    _check_values(job, merged)
     _check_inputs(job)
     return job, merged
+
+
+def _floats_read(settings: dict, float_keys: set[str]) -> dict:
+    """Numbers that YAML read as text, as numbers: YAML 1.1 reads `1e-4` (no dot) as a string, which GRPOConfig keeps
+    and the optimizer refuses only after the model has loaded."""
+    read = dict(settings)
+    for key, value in settings.items():
+        if key in float_keys and isinstance(value, str):
+            try:
+                read[key] = float(value)
+            except ValueError:
+                pass  # left as it is: the value checks or GRPOConfig name it
+    return read
+
+
+def _number(value, *, integer: bool = False) -> bool:
+    kinds = (int,) if integer else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+# (setting, flag, test, what it takes): values that the libraries refuse only after the model has loaded (PEFT at
+# the first LoRA layer, torch at the optimizer) or read as something else (transformers reads max_steps 0 as "train
+# for num_train_epochs").
+_VALUE_CHECKS = (
+    ("lora_r", "--lora-r", lambda v: _number(v, integer=True) and v >= 1, "a positive integer"),
+    ("lora_alpha", None, lambda v: _number(v) and v > 0, "a positive number"),
+    ("lora_dropout", None, lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("learning_rate", "--learning-rate", lambda v: _number(v) and v >= 0, "a number >= 0"),
+    ("max_steps", "--max-steps", lambda v: _number(v, integer=True) and (v >= 1 or v == -1),
+     "a positive number of steps (or -1 in a --config file: train for num_train_epochs)"),
+)
+
+
+def _check_values(job: dict, train: dict) -> None:
+    """Each checked setting within its range: a UserError naming the flag (or config key) before anything loads."""
+    for key, flag, valid, takes in _VALUE_CHECKS:
+        settings = job if key in job else train
+        if key in settings and not valid(settings[key]):
+            name = f"{flag} / {key}" if flag else key
+            raise UserError(f"{name} = {settings[key]!r}; it takes {takes}")
 
 
 def _check_inputs(job: dict) -> None:
