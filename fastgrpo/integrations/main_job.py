@@ -145,6 +145,8 @@ def choose_cpu_threads(requested: int | None) -> int:
     descheduled one of them, the others spin at the barrier. Measured on the 2-core machine with
     other jobs running (load ~4): 2 threads took ~100 s per step of the default job, 1 thread ~10-25 s.
     """
+    if requested is not None and requested < 1:
+        raise UserError(f"--cpu-threads {requested}; it takes a positive number of threads")
     if requested is None:
         cores = os.cpu_count() or 1
         busy_cores = int(os.getloadavg()[0])
@@ -270,6 +272,15 @@ _VALUE_CHECKS = (
     ("learning_rate", "--learning-rate", lambda v: _number(v) and v >= 0, "a number >= 0"),
     ("max_steps", "--max-steps", lambda v: _number(v, integer=True) and (v >= 1 or v == -1),
      "a positive number of steps (or -1 in a --config file: train for num_train_epochs)"),
+    ("max_completion_length", "--max-completion-length", lambda v: _number(v, integer=True) and v >= 1,
+     "a positive number of tokens"),
+    ("per_device_train_batch_size", "--per-device-train-batch-size", lambda v: _number(v, integer=True) and v >= 1,
+     "a positive integer"),
+    ("temperature", "--temperature", lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    ("beta", "--beta", lambda v: _number(v) and v >= 0, "a number >= 0 (the KL penalty's weight; 0: none)"),
+    ("save_steps", "--save-steps", lambda v: _number(v) and v > 0,
+     "a positive number of steps (or a fraction of the run below 1)"),
+    ("seed", "--seed", lambda v: _number(v, integer=True) and 0 <= v < 2**32, "an integer in [0, 2**32)"),
 )
 
 
