@@ -391,6 +391,12 @@ def test_checkpointed_layers_mlp_form(tmp_path):
     assert trainer_rule("_compile_options", tmp_path, "cuda", gradient_checkpointing=False) is None
 
 
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("beta", -0.04)])
+def test_negative_temperature_or_beta_is_refused(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field}={value}; use a number >= 0"):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
 def test_auto_find_batch_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="auto_find_batch_size=False"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, auto_find_batch_size=True)

@@ -189,6 +189,12 @@ class GRPOConfig(TRLGRPOConfig):
                 "gradient_accumulation_steps to keep the effective batch) or set fastgrpo_mini_batch to a "
                 "small number of rows."
             )
+        # TRL takes these as given: a negative temperature fails at the first rollout (after the compiles), a negative
+        # beta trains with the KL penalty turned into a reward for drifting from the reference.
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r}; use a number >= 0 (0: greedy)")
+        if not self.beta >= 0:
+            raise ValueError(f"beta={self.beta!r}; use a number >= 0 (the KL penalty's weight; 0: no reference pass)")
         # Unsloth-style configs write top_k=-1 or None for "no top-k"; transformers' generate rejects -1, and
         # both transformers (0 or None) and vLLM >= 0.22 (0 or -1) read 0 as disabled.
         if self.top_k is None or self.top_k == -1:
