@@ -74,6 +74,12 @@ def _bad_input_cases(tmp_path, model_dir):
     broken.write_text("max_steps: 3\nlearning_rate: [1e-4\nbeta: 0.0\n")
     options = tmp_path / "options.yaml"
     options.write_text("fastgrpo_compile_options:\n  inner: eager\n  patern: [rope]\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_prompts = tmp_path / "no_prompts.yaml"
+    no_prompts.write_text("task_size: 0\n")
+    blocked = tmp_path / "a_file"  # a directory cannot be made under a file
+    blocked.write_text("")
     dropout = tmp_path / "dropout.yaml"
     dropout.write_text("lora_dropout: 1.0\n")
     model = ["--model", str(model_dir)]
@@ -102,6 +108,10 @@ def _bad_input_cases(tmp_path, model_dir):
         "checkpoints never": (["train", *model, "--save-steps", "0"], "--save-steps / save_steps = 0"),
         "negative seed": (["train", *model, "--seed", "-5"], "--seed / seed = -5; it takes an integer"),
         "no threads": (["train", *model, "--cpu-threads", "0"], "--cpu-threads 0; it takes a positive number"),
+        "empty dataset": (["train", *model, "--dataset", str(empty)], "empty.jsonl' is empty; it needs rows"),
+        "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),
+        "output dir not writable": (["train", *model, "--output-dir", str(blocked / "run")],
+                                    "cannot be created"),
         "dropout of 1 in config": (["train", *model, "--config", str(dropout)], "lora_dropout = 1.0; it takes a number"),
         "report missing model": (["report", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
         "report unknown arch": (["report", "--arch", "lama"], "unknown architecture 'lama'"),

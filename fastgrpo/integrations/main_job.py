@@ -266,6 +266,7 @@ def _number(value, *, integer: bool = False) -> bool:
 # the first LoRA layer, torch at the optimizer) or read as something else (transformers reads max_steps 0 as "train
 # for num_train_epochs").
 _VALUE_CHECKS = (
+    ("task_size", None, lambda v: _number(v, integer=True) and v >= 1, "a positive number of prompts"),
     ("lora_r", "--lora-r", lambda v: _number(v, integer=True) and v >= 1, "a positive integer"),
     ("lora_alpha", None, lambda v: _number(v) and v > 0, "a positive number"),
     ("lora_dropout", None, lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
@@ -302,6 +303,9 @@ def _check_inputs(job: dict) -> None:
         resolve_model_path(job["model"])
     if job["dataset"] is not None and not Path(job["dataset"]).expanduser().exists():
         raise MissingPathError(f"--dataset {job['dataset']!r} does not exist")
+    if job["dataset"] is not None and Path(job["dataset"]).expanduser().is_file() \
+            and Path(job["dataset"]).expanduser().stat().st_size == 0:
+        raise UserError(f"--dataset {job['dataset']!r} is empty; it needs rows with a 'prompt' column")
     if job["task"] is not None:
         check_task(job["task"])
 
@@ -416,11 +420,15 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except ValueError as error:  # TRL's and transformers' checks of the values
         raise UserError(f"config: {error}") from error
+    output_dir = Path(train_kwargs["output_dir"])
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--output-dir {str(output_dir)!r} cannot be created ({error.strerror}); "
+                        "give a directory you can write to") from error
     if not torch.cuda.is_available():
         threads = choose_cpu_threads(args.cpu_threads)
         print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
-    output_dir = Path(train_kwargs["output_dir"])
-    output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = checkpoints.newest_loadable_checkpoint(output_dir) if args.resume else None
     if args.resume and resume_from is None:
         print(f"--resume: no checkpoint in {output_dir} that loads, starting from scratch", file=sys.stderr)

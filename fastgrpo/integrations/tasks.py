@@ -83,11 +83,15 @@ def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
         kind = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
             raise UserError(f"{path}: use a .json, .jsonl, .csv or .parquet file, or a save_to_disk directory")
+        if path.stat().st_size == 0:  # datasets' readers raise StopIteration on it
+            raise UserError(f"{path} is empty; it needs rows with a 'prompt' column")
         dataset = load_dataset(kind, data_files=str(path), split="train")
     else:
         raise MissingPathError(f"--dataset {str(path)!r} does not exist")
     if "prompt" not in dataset.column_names:
         raise UserError(f"{path} has columns {dataset.column_names}; a 'prompt' column is required")
+    if len(dataset) == 0:
+        raise UserError(f"{path} has no rows; it needs rows with a 'prompt' column")
     return dataset
 
 
