@@ -21,9 +21,12 @@ from fastgrpo.passes import PASSES, autocast, linear_forms
 from fastgrpo.passes._fx import all_graph_modules, error_summary, is_kind
 
 
+def _on_cuda(example_inputs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
 def _kernels_used(example_inputs) -> str:
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    if "cuda" in devices:
+    if _on_cuda(example_inputs):
         return "triton (cuda)"
     return "torch (cpu: no CUDA tensors in this graph)"
 
@@ -88,8 +91,7 @@ def cpu_vector_probe_off(example_inputs) -> dict:
     `config.cpp.vec_isa_ok` wins."""
     from torch._inductor import config as inductor_config
 
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    if not on_cuda or inductor_config.cpp.vec_isa_ok is not None:
+    if not _on_cuda(example_inputs) or inductor_config.cpp.vec_isa_ok is not None:
         return {}
     return {"cpp.vec_isa_ok": False}
 
@@ -100,8 +102,7 @@ def combo_kernels(options: Options, example_inputs) -> dict:
     wanted = options.combo_kernels
     if wanted is None:
         wanted = os.environ.get("FASTGRPO_COMBO_KERNELS", "0") == "1"
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    return {"combo_kernels": True} if wanted and on_cuda else {}
+    return {"combo_kernels": True} if wanted and _on_cuda(example_inputs) else {}
 
 
 def _inner_compiler(options: Options, mode: str | None):
