@@ -108,7 +108,7 @@ def _bad_input_cases(tmp_path, model_dir):
         "checkpoints never": (["train", *model, "--save-steps", "0"], "--save-steps / save_steps = 0"),
         "negative seed": (["train", *model, "--seed", "-5"], "--seed / seed = -5; it takes an integer"),
         "no threads": (["train", *model, "--cpu-threads", "0"], "--cpu-threads 0; it takes a positive number"),
-        "empty dataset": (["train", *model, "--dataset", str(empty)], "empty.jsonl' is empty; it needs rows"),
+        "empty dataset": (["train", *model, "--dataset", str(empty)], "empty.jsonl is empty; it needs rows"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),
         "output dir not writable": (["train", *model, "--output-dir", str(blocked / "run")],
                                     "cannot be created"),

@@ -303,9 +303,6 @@ def _check_inputs(job: dict) -> None:
         resolve_model_path(job["model"])
     if job["dataset"] is not None and not Path(job["dataset"]).expanduser().exists():
         raise MissingPathError(f"--dataset {job['dataset']!r} does not exist")
-    if job["dataset"] is not None and Path(job["dataset"]).expanduser().is_file() \
-            and Path(job["dataset"]).expanduser().stat().st_size == 0:
-        raise UserError(f"--dataset {job['dataset']!r} is empty; it needs rows with a 'prompt' column")
     if job["task"] is not None:
         check_task(job["task"])
 
@@ -426,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         raise UserError(f"--output-dir {str(output_dir)!r} cannot be created ({error.strerror}); "
                         "give a directory you can write to") from error
+    # The dataset before the model: its errors (empty, no prompt column) come before the load.
+    if job["dataset"] is not None:
+        dataset = load_prompt_dataset(job["dataset"])
+    else:
+        dataset = make_task_dataset(job["task"], size=job["task_size"], seed=train_kwargs["seed"])
     if not torch.cuda.is_available():
         threads = choose_cpu_threads(args.cpu_threads)
         print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
@@ -439,12 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 weights on a GPU (as TRL's dtype="auto" loads hub checkpoints): generation, which runs in the
     # weights' dtype, and the frozen base both get the fast path; LoRA weights stay fp32 (PEFT upcasts them).
     on_bf16_gpu = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    model_start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(job["model"], dtype=torch.bfloat16 if on_bf16_gpu else torch.float32)
-    print(f"model loaded in {time.perf_counter() - wall_start:.1f} s: {model.config.name_or_path}", file=sys.stderr)
-    if job["dataset"] is not None:
-        dataset = load_prompt_dataset(job["dataset"])
-    else:
-        dataset = make_task_dataset(job["task"], size=job["task_size"], seed=train_kwargs["seed"])
+    print(f"model loaded in {time.perf_counter() - model_start:.1f} s: {model.config.name_or_path}", file=sys.stderr)
     lora = LoraConfig(
         r=job["lora_r"],
         lora_alpha=job["lora_alpha"],
