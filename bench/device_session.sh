@@ -67,9 +67,6 @@ run_step() {
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
     tests_failed) step tests_failed ${FAILED_CAP:-240} "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
-    # The GPU tests with inductor's combo kernels on in every fastgrpo-compiled CUDA graph (the backend option's
-    # environment default), before that option's default changes.
-    tests_combo) step tests_combo 240 "$OURS $ONE_GPU FASTGRPO_COMBO_KERNELS=1 FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
     # The policy step on each of SHAPES (bench/_harness.py names), fastgrpo, Unsloth and inductor one process each,
     # at COMPLETIONS (Unsloth at the same lengths); SHAPE_CAP seconds a process.
     shapes)

@@ -23,8 +23,8 @@ another):
   fastgrpo_actmul  the same with the MLP left to inductor but for fastgrpo::act_mul
             (absorb_mlp_projections=False: autograd keeps gate, up and the product): the form on CPU
   fastgrpo_nojoin  the same without the joined-projections pattern (q, k, v and their LoRA A's in six GEMMs)
-  fastgrpo_combo  the same with inductor's combo kernels (independent small kernels of a graph, such as the LoRA
-            factors' casts, launched as one)
+  fastgrpo_nocombo  the same without inductor's combo kernels (independent small kernels of a graph, such as the
+            LoRA factors' casts, launched as one: on by default)
   fastgrpo_packed  fastgrpo on the G rows packed into one sequence without padding
             (fastgrpo.integrations.packing: positions restart per row, each row a causal segment of
             flash's variable-length attention on CUDA, log-probs only at completion positions); the plan
@@ -77,7 +77,7 @@ FASTGRPO_OPTIONS = {
     "fastgrpo_save": _SAVED_PROJECTIONS,
     "fastgrpo_actmul": _ACT_MUL,
     "fastgrpo_nojoin": None,
-    "fastgrpo_combo": {"combo_kernels": True},
+    "fastgrpo_nocombo": {"combo_kernels": False},
     "fastgrpo_packed": None,
     "fastgrpo_shared": None,
     "fastgrpo_packed_save": _SAVED_PROJECTIONS,

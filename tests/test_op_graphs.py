@@ -74,6 +74,46 @@ def test_staging_buckets_and_outputs_on_cpu(monkeypatch):
     _graphs.reset()
 
 
+def test_a_grown_row_buffer_recaptures_only_the_graphs_that_read_it(monkeypatch):
+    """A larger bucket grows one row buffer: the graphs over the old buffer are captured again at their next call
+    (no eager call first), a graph over another buffer keeps replaying."""
+    replays = []
+
+    def capture(entry, rows, others, call, row_outputs, padded, device):
+        entry.outputs = _graphs.output_staging(list(call(tuple(rows), tuple(others))), row_outputs, padded, device)
+
+        class Rerun:
+            def replay(self):
+                replays.append(entry)
+                for buffer, t in zip(entry.outputs, call(tuple(rows), tuple(others))):
+                    buffer.copy_(t)
+
+        entry.graph = Rerun()
+
+    _graphs.reset()
+    monkeypatch.setattr(_graphs, "_capture", capture)
+
+    def double(rows, others):
+        return (rows[0] * 2,)
+
+    def call(name, n, width):
+        x = torch.arange(n * width, dtype=torch.float32).view(n, width)
+        out = _graphs.replayed(name, double, (), (x,), (), (), row_outputs=(0,))
+        assert out is None or torch.equal(out[0], x * 2)
+        return out
+
+    for _ in range(2):  # eager, captured
+        call("narrow", 200, 4), call("wide", 200, 8)
+    assert _graphs.stats == {"captured": 2, "replayed": 2, "eager": 2}
+    for _ in range(2):  # a larger bucket of the narrow rows: eager, captured over a grown buffer
+        call("narrow", 1000, 4)
+    assert _graphs.stats == {"captured": 3, "replayed": 3, "eager": 3}
+    assert call("wide", 200, 8) is not None and _graphs.stats["captured"] == 3  # its buffer did not grow
+    assert call("narrow", 200, 4) is not None  # recaptured at once over the grown buffer
+    assert _graphs.stats == {"captured": 4, "replayed": 5, "eager": 3}
+    _graphs.reset()
+
+
 @contextlib.contextmanager
 def graphs(enabled: bool):
     before = _graphs.ENABLED

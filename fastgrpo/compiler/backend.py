@@ -97,11 +97,11 @@ def cpu_vector_probe_off(example_inputs) -> dict:
 
 
 def combo_kernels(options: Options, example_inputs) -> dict:
-    """Inductor config turning combo kernels on for a graph on CUDA, where `options.combo_kernels` (None:
-    $FASTGRPO_COMBO_KERNELS=1) asks for them; a user's `inductor_config` wins."""
+    """Inductor config turning combo kernels on for a graph on CUDA, where `options.combo_kernels` (None: unless
+    $FASTGRPO_COMBO_KERNELS=0) asks for them; a user's `inductor_config` wins."""
     wanted = options.combo_kernels
     if wanted is None:
-        wanted = os.environ.get("FASTGRPO_COMBO_KERNELS", "0") == "1"
+        wanted = os.environ.get("FASTGRPO_COMBO_KERNELS", "1") != "0"
     return {"combo_kernels": True} if wanted and _on_cuda(example_inputs) else {}
 
 

@@ -37,9 +37,9 @@ class Options:
     # where the site runs on cuDNN; True: also on the CPU (SDPA's CPU flash kernel); False: SDPA everywhere.
     keep_attention_output: bool | None = None
     # Inductor's combo kernels for graphs on CUDA: independent small kernels of a graph (the LoRA factors' casts, the
-    # norms' side outputs) launched as one. None: on where $FASTGRPO_COMBO_KERNELS=1, off otherwise. H200,
-    # Qwen2.5-1.5B step at 1024: 220 and 227 ms against 243 and 256 (`python bench/grpo_step.py --systems
-    # fastgrpo|fastgrpo_combo --completions 1024`, four processes alternating).
+    # norms' side outputs) launched as one. None: on unless $FASTGRPO_COMBO_KERNELS=0. H200, Qwen2.5-1.5B
+    # step at 1024: 220 and 227 ms against 243 and 256 (`python bench/grpo_step.py --systems
+    # fastgrpo|fastgrpo_nocombo --completions 1024`, four processes alternating).
     combo_kernels: bool | None = None
     # Print the fusion table after each graph is compiled.
     print_report: bool = False

@@ -82,18 +82,26 @@ def _staging_buffer(kind: str, position: int, shape: tuple, dtype: torch.dtype, 
 
 def _row_staging(kind: str, position: int, padded: int, trailing: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """The first `padded` rows of the shared row buffer of (kind, position, trailing shape, dtype): one buffer serves
-    every bucket. Where it must grow (by at least a quarter), every graph is dropped, since graphs read and write the
-    old buffer's memory."""
+    every bucket. Where it must grow (by at least a quarter), the graphs that read or write the old buffer are
+    dropped and captured again at their key's next call (no eager call first: the key was seen); the others stay."""
     key = (kind, position, "rows", trailing, dtype, device)
     buffer = _staging.get(key)
     if buffer is None or buffer.shape[0] < padded:
         if buffer is not None:
-            _graphs.clear()
+            _drop_graphs_using(buffer)
             padded_to = max(padded, buffer.shape[0] + buffer.shape[0] // 4)
         else:
             padded_to = padded
         buffer = _staging[key] = torch.zeros((padded_to, *trailing), dtype=dtype, device=device)
     return buffer[:padded]
+
+
+def _drop_graphs_using(buffer: torch.Tensor) -> None:
+    """Forgets the captured graph of every key whose staging inputs or outputs are views of `buffer`."""
+    storage = buffer.untyped_storage().data_ptr()
+    for entry in _graphs.values():
+        if any(t is not None and t.untyped_storage().data_ptr() == storage for t in (*entry.inputs, *entry.outputs)):
+            entry.graph, entry.inputs, entry.outputs = None, [], []
 
 
 def _stage(staged: list[torch.Tensor], rows: list[torch.Tensor], others: list[torch.Tensor | None], n: int) -> None:
@@ -144,7 +152,6 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
         _stage(staged, rows, others, n)
         entry.inputs = staged
         _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, padded, device)
-        _graphs[key] = entry  # back in, should a row buffer's growth have dropped every graph
         stats["captured"] += 1
     else:
         _stage(entry.inputs, rows, others, n)
