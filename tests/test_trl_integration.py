@@ -264,10 +264,15 @@ def train_on_learnable_reward(tokenizer, tmp_path, seed=0, **config):
     assert trainer._embedded_generator is not None  # completions came from fastgrpo's generator
     assert trainer._embedded_generator.fallback is None
     assert not torch._dynamo.utils.counters["graph_break"]  # the decoder compiled as one graph
-    # The generator's log-probs agree with the loss forward's: importance ratios within [0.9, 1.1] (fp32 on CPU; bf16
-    # autocast on the GPU, where the sampler computes LoRA in bf16 as autocast does).
+    # The generator's log-probs agree with the loss forward's: in fp32 every importance ratio is within [0.9, 1.1].
+    # Under bf16 autocast the sampler decodes the fp32 weights in fp32 and the trainer scores them with bf16 matmuls:
+    # on this deliberately peaked model that rounding moved 0-5.1 % of a step's tokens outside (1.2 % on average over
+    # the 16 steps, CPU and H200 alike); a sampler reading other weights or positions moves most of them.
     agreement = [log["sampling/ratio_outside_0.9_1.1"] for log in logs]
-    assert max(agreement) <= (0.0 if config.get("use_cpu", True) else 0.01), agreement
+    if trainer.args.bf16 or trainer.args.fp16:
+        assert max(agreement) <= 0.1 and sum(agreement) / len(agreement) <= 0.03, agreement
+    else:
+        assert max(agreement) == 0.0, agreement
     return trainer, [log["reward"] for log in logs]
 
 
@@ -282,6 +287,14 @@ def test_reward_rises_on_a_learnable_reward(tokenizer, tmp_path):
     _, rewards = train_on_learnable_reward(
         tokenizer, tmp_path, fastgrpo_compile_options=COMPILE_OPTIONS, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5,
     )
+    assert_reward_rose(rewards)
+
+
+def test_bf16_autocast_training_on_cpu(tokenizer, tmp_path):
+    # The GPU's precision on the CPU: fp32 weights, bf16 autocast, the rollouts decoded by the engine in fp32.
+    trainer, rewards = train_on_learnable_reward(tokenizer, tmp_path, bf16=True,
+                                                 fastgrpo_compile_options=COMPILE_OPTIONS)
+    assert trainer.args.bf16 and trainer.model.dtype == torch.float32
     assert_reward_rose(rewards)
 
 
