@@ -23,7 +23,8 @@ def _load(args):
 
         from fastgrpo.integrations.models import resolve_model_path
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=_DTYPES[args.dtype])
+        path = resolve_model_path(args.model, tokenizer=False)  # a report needs no tokenizer
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[args.dtype])
         model.train()
         if args.lora:
             import peft

@@ -50,9 +50,12 @@ def test_report_on_a_local_model_directory_with_lora(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def model_config_dir(tmp_path_factory):
-    """A directory with a model's config.json (the input checks look no further; nothing may load it)."""
+    """A directory with a model's config.json and the names of a weights file and a tokenizer file (the input
+    checks look no further; nothing may load it)."""
     path = tmp_path_factory.mktemp("config-only")
     tiny_model("llama").config.save_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
     return path
 
 
@@ -83,7 +86,18 @@ def _bad_input_cases(tmp_path, model_dir):
     dropout = tmp_path / "dropout.yaml"
     dropout.write_text("lora_dropout: 1.0\n")
     model = ["--model", str(model_dir)]
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((model_dir / "config.json").read_text())
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((model_dir / name).read_bytes())
     return {
+        "model without weights": (["train", "--model", str(config_only)],
+                                  "has a config.json but no weights (model.safetensors, "),
+        "model without tokenizer": (["train", "--model", str(no_tokenizer)],
+                                    "has no tokenizer (tokenizer.json, tokenizer.model, "),
         "missing model": (["train", "--model", "/nonexistent/model"], "--model '/nonexistent/model' is neither"),
         "missing config": (["train", *model, "--config", str(tmp_path / "nope.yaml")], "nope.yaml' does not exist"),
         "unknown config key": (["train", *model, "--config", str(unknown)], "unknown keys ['max_stepz']"),

@@ -96,8 +96,16 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def resolve_model_path(name_or_path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path:
-    """`None` or a SmolLM2 alias -> the cached SmolLM2 checkpoint; anything else must be a local model directory."""
+# What a local model directory needs besides its config.json: one of these weight files (or shard indexes) and one of
+# these tokenizer files, so that a directory missing either fails before anything loads.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def resolve_model_path(name_or_path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
+                       tokenizer: bool = True) -> Path:
+    """`None` or a SmolLM2 alias -> the cached SmolLM2 checkpoint; anything else must be a local model directory
+    with weights and, where `tokenizer`, a tokenizer."""
     if name_or_path is None or str(name_or_path) in SMOLLM2_ALIASES:
         return smollm2_path(cache_dir)
     path = Path(name_or_path).expanduser()
@@ -105,6 +113,16 @@ def resolve_model_path(name_or_path: str | os.PathLike | None, cache_dir: str | 
         raise MissingPathError(
             f"--model {name_or_path!r} is neither {SMOLLM2_NAME!r} nor a local HF model directory with a config.json "
             "(there is no hub access here)"
+        )
+    if not any((path / name).exists() for name in WEIGHT_FILES):
+        raise MissingPathError(
+            f"--model {name_or_path!r} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): save them into it "
+            "with model.save_pretrained(directory)"
+        )
+    if tokenizer and not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise MissingPathError(
+            f"--model {name_or_path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save it into the directory "
+            "with tokenizer.save_pretrained(directory)"
         )
     return path
 
