@@ -580,10 +580,11 @@ class Packer:
             for bounds in (plan.cu_seqlens, plan.cu_seqlens_k, plan.kv_index):
                 if bounds is not None:
                     torch._dynamo.maybe_mark_dynamic(bounds, 0)
+            # Every key always (None where a plan has no shared prompt): a frame compiled with one key set and
+            # called with another made Dynamo's recompile-reason formatting raise KeyError('fastgrpo_kv_index')
+            # (H200, tests/test_packing.py::test_bf16_segments_match_padded_attention[phi3-cuda], once in three runs).
             kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens_k, max_length_q=plan.longest,
-                          max_length_k=plan.longest_k)
-            if plan.kv_index is not None:
-                kwargs["fastgrpo_kv_index"] = plan.kv_index
+                          max_length_k=plan.longest_k, fastgrpo_kv_index=plan.kv_index)
         return PackedCall(plan, kwargs)
 
     def _implementation(self, config, device, plan: PackPlan) -> str:
