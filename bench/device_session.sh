@@ -6,6 +6,8 @@
 # Needs, carried from the repository root:
 #   .whlU/site.tgz   bash ../shared/device/unsloth-site.sh   (Unsloth 2026.10.9, Liger, trl 1.15, bitsandbytes)
 #   .whl/*.whl       trl 1.16, datasets, dill, multiprocess   (fastgrpo's trainer targets trl 1.16)
+#   .whlT/*.whl      the same four wheels alone (1.8 MB), read when .whl is absent: with .whlU (whose site has
+#                    bitsandbytes) both fit one call's 64 MiB, so trainer tests and Unsloth steps share a call
 # Usage: DEADLINE_S=560 bash bench/device_session.sh [steps...]   (default: every step, in this order)
 #        a step written a+b+c runs a, b and c side by side (for correctness and memory steps, never timings)
 #        tests_failed re-runs the tests named in $FAILED_TESTS (pytest arguments, e.g. "-m gpu tests/test_offload.py"),
@@ -32,7 +34,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
   if [ ! -f /tmp/site/.installed ]; then
     mkdir -p /tmp/site /tmp/site_t
     [ -f .whlU/site.tgz ] && tar xzf .whlU/site.tgz -C /tmp/site
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_t .whl/*.whl
+    wheels=.whl; [ -d .whl ] || wheels=.whlT
+    [ -d $wheels ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_t $wheels/*.whl
     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
     touch /tmp/site/.installed
   fi
