@@ -331,22 +331,6 @@ def test_compiled_decode_layer_traces_as_one_graph_shared_by_every_layer(monkeyp
     assert generator.engine.sampling_backend.compiles == 2  # one graph per sampling setting (greedy, top-k)
 
 
-def test_a_graph_replayed_decode_step_compiles_without_combo_kernels():
-    """Combo kernels save launches, which a decode step replayed as a CUDA graph does not pay: the engine turns them
-    off for its fastgrpo-compiled layer unless the caller's options name them."""
-    from fastgrpo.integrations.generation.engine import RolloutEngine
-
-    def options(cuda_graphs, backend="fastgrpo", backend_options=None):
-        engine = RolloutEngine(PAD, [VOCAB + 1], 4, compile_layers=True, backend=backend, cuda_graphs=cuda_graphs,
-                               pad_to_multiple_of=1, check_every=1, backend_options=backend_options)
-        return getattr(engine.backend.inner, "keywords", {}).get("options")
-
-    assert options(True) == {"combo_kernels": False}
-    assert options(True, backend_options={"patterns": ["rope"]}) == {"combo_kernels": False, "patterns": ["rope"]}
-    assert options(True, backend_options={"combo_kernels": True}) == {"combo_kernels": True}
-    assert options(False) is None and options(True, backend="eager") is None
-
-
 def test_sampling_filters():
     torch.manual_seed(0)
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0]]).repeat(4000, 1)

@@ -164,11 +164,6 @@ class RolloutEngine:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.check_every = check_every
         self.min_batch = min_batch
-        if cuda_graphs and backend == "fastgrpo":
-            # A decode step replayed as a CUDA graph pays no launches, which is all combo kernels save: the 1.5B
-            # whole step's generation took 1.39-1.40 s without them, 1.42-1.43 s with (H200, four processes
-            # alternating, `FASTGRPO_COMBO_KERNELS=0|1 python bench/grpo_train_step.py --system fastgrpo --steps 3`).
-            backend_options = {"combo_kernels": False, **(backend_options or {})}
         self.backend = _CountingBackend(backend, compile_limit, backend_options) if compile_layers else None
         self._compiled_layer = (
             torch.compile(_layer_forward, backend=self.backend, fullgraph=True) if compile_layers else None
