@@ -433,6 +433,10 @@ def main(argv=None) -> int:
     parser.add_argument("--mlp-chunk-mib", type=int,
                         help="bytes of the gated-MLP op's per-chunk projection buffer (default 256 MiB); the systems' "
                              "names get a _chunk<MiB> suffix")
+    parser.add_argument("--graph-chunk-rows", type=int,
+                        help="rows a chunk of the gated-MLP op's CUDA-graph replayed calls has at most (default "
+                             "2048: fastgrpo.kernels.gated_mlp.GRAPH_CHUNK_ROWS; the graphs' pool holds one chunk's "
+                             "temporaries); the systems' names get a _graphchunk<rows> suffix")
     parser.add_argument("--ab", metavar="MODULE.ATTR=VALUE", action="append", default=[],
                         help="after each timed row, A/B a setting in the same process (ab_blocks; repeat the flag for "
                              "several, each against the tree as it is; a suffix @1024,4096 limits it to those "
@@ -454,8 +458,12 @@ def main(argv=None) -> int:
     if args.mlp_chunk_mib:
         from fastgrpo.kernels import _row_chunks
         _row_chunks.CHUNK_BYTES = args.mlp_chunk_mib * 2**20
+    if args.graph_chunk_rows:
+        from fastgrpo.kernels import gated_mlp
+        gated_mlp.GRAPH_CHUNK_ROWS = args.graph_chunk_rows
     profile_at = tuple(int(c) for c in args.profile_at.split(",") if c)
     suffix = f"_chunk{args.mlp_chunk_mib}" if args.mlp_chunk_mib else ""
+    suffix += f"_graphchunk{args.graph_chunk_rows}" if args.graph_chunk_rows else ""
     results = []
     for prompt in [int(p) for p in args.prompt.split(",")]:
         for system in systems:
