@@ -143,7 +143,7 @@ run_step() {
     save) step save 160 "$OURS" python3 bench/grpo_step.py --systems fastgrpo_save --completions $COMPLETIONS $STEP_ARGS ;;
     # Where the GPU waits in the step (STEP_SYSTEMS at PROFILE_AT tokens): kernel time, idle gaps, and for each gap
     # whether the host launched the kernel after it late or the kernel sat queued (gap_causes).
-    device_profile) step device_profile ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --completions ${PROFILE_AT:-4096} --warmup 1 --repeat 2 --profile-at ${PROFILE_AT:-4096} --device-profile-only ;;
+    device_profile) step device_profile ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --shape ${SHAPE:-qwen2.5-1.5b} --completions ${PROFILE_AT:-4096} --warmup 1 --repeat 2 --profile-at ${PROFILE_AT:-4096} --device-profile-only ;;
     # A code change timed against what it replaced, in one call (lent machines differ by several % on the same
     # step): the fastgrpo step on this tree and on a copy of its fastgrpo/ and bench/ with the files under .baseline/
     # laid over them, twice each, alternating. Make them here, e.g. `mkdir -p .baseline/fastgrpo/kernels && git show
