@@ -42,22 +42,24 @@ def test_the_output_of_a_3d_input_is_no_view():
     y.add_(1.0).sum().backward()
 
 
+def rerun_capture(entry, rows, others, call, row_outputs, padded, device):
+    """A stand-in for `_graphs._capture` off the GPU: its graph re-runs the body into the staging outputs."""
+    entry.outputs = _graphs.output_staging(list(call(tuple(rows), tuple(others))), row_outputs, padded, device)
+
+    class Rerun:
+        def replay(self):
+            for buffer, t in zip(entry.outputs, call(tuple(rows), tuple(others))):
+                buffer.copy_(t)
+
+    entry.graph = Rerun()
+
+
 def test_staging_buckets_and_outputs_on_cpu(monkeypatch):
     """Everything of a replayed call but the capture: staging, padding to the bucket, the outputs' shapes and values
     (a stand-in graph re-runs the body into the staging outputs; capturing needs a GPU)."""
 
-    def capture(entry, rows, others, call, row_outputs, padded, device):
-        entry.outputs = _graphs.output_staging(list(call(tuple(rows), tuple(others))), row_outputs, padded, device)
-
-        class Rerun:
-            def replay(self):
-                for buffer, t in zip(entry.outputs, call(tuple(rows), tuple(others))):
-                    buffer.copy_(t)
-
-        entry.graph = Rerun()
-
     _graphs.reset()
-    monkeypatch.setattr(_graphs, "_capture", capture)
+    monkeypatch.setattr(_graphs, "_capture", rerun_capture)
     monkeypatch.setattr(_graphs, "applies", lambda device: _graphs.ENABLED)
     weights, lora = layer(11, hidden=32, inter=64, rank=4, device="cpu")
     for rows in (600, 620, 600):  # 1200, 1240, 1200 rows: one bucket (1280) of padded rows
@@ -77,21 +79,8 @@ def test_staging_buckets_and_outputs_on_cpu(monkeypatch):
 def test_a_grown_row_buffer_recaptures_only_the_graphs_that_read_it(monkeypatch):
     """A larger bucket grows one row buffer: the graphs over the old buffer are captured again at their next call
     (no eager call first), a graph over another buffer keeps replaying."""
-    replays = []
-
-    def capture(entry, rows, others, call, row_outputs, padded, device):
-        entry.outputs = _graphs.output_staging(list(call(tuple(rows), tuple(others))), row_outputs, padded, device)
-
-        class Rerun:
-            def replay(self):
-                replays.append(entry)
-                for buffer, t in zip(entry.outputs, call(tuple(rows), tuple(others))):
-                    buffer.copy_(t)
-
-        entry.graph = Rerun()
-
     _graphs.reset()
-    monkeypatch.setattr(_graphs, "_capture", capture)
+    monkeypatch.setattr(_graphs, "_capture", rerun_capture)
 
     def double(rows, others):
         return (rows[0] * 2,)
