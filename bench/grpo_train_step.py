@@ -4,7 +4,8 @@ One system per process (`--system`), the same model, data and config for each: a
 in bf16 (`--shape`, bench/_harness.py's names: Qwen2.5-1.5B by default, Gemma-3-1B with its sliding-window layers), PEFT LoRA r=16 on every projection,
 8 prompts x G=8 completions, 256-token prompts, completions up to 512 tokens (`--completion`; a random-init model
 never samples EOS, so every row runs to the limit), a reward that costs nothing, gradient checkpointing, bf16. Each
-step: generation, scoring (rewards, advantages, the no-grad log-prob passes TRL runs), and the update (loss forward
+step: generation, scoring (rewards, advantages, the no-grad log-prob passes TRL runs: with beta > 0 the reference
+model's, fastgrpo's default beta=0.001 against TRL's 0.0; `--beta` sets one for both), and the update (loss forward
 and backward, optimizer). Timed with CUDA synchronisation around TRL's own methods: generation is
 `_generate_single_turn`, scoring is the rest of `_generate_and_score_completions`, update the rest of the step.
 The first `--warmup` steps (compiles) are reported apart; the table gives the median of the timed steps.
@@ -42,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
+    p.add_argument("--beta", type=float, default=None,
+                   help="the KL weight, for both systems; default: each trainer's own (fastgrpo 0.001, which adds a "
+                   "no-grad reference pass to scoring; TRL 0.0)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny shape, short rows, fp32)")
     p.add_argument("--table", action="store_true", help="print the rows of this commit from the results file")
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
@@ -158,6 +162,8 @@ def run(args) -> dict:
         learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no", gradient_checkpointing=True,
         bf16=device == "cuda", use_cpu=device == "cpu", seed=0, temperature=1.0, disable_tqdm=True,
     )
+    if args.beta is not None:
+        common["beta"] = args.beta
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     if args.system == "fastgrpo":
@@ -190,6 +196,7 @@ def run(args) -> dict:
     generator = getattr(trainer, "_embedded_generator", None)
     return dict(
         system=args.system if args.embedded_generation else f"{args.system}_generate", shape=args.shape,
+        beta=trainer.args.beta,
         merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
         join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
@@ -209,12 +216,13 @@ def table(rows: list[dict]) -> str:
     def cell(value, digits=2):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| shape | system | step s | generation s | scoring s | update s | peak GiB | first step s | vs trl |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | system | beta | step s | generation s | scoring s | update s | peak GiB | first step s | vs trl |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     trl = {r["shape"]: r["step_s"] for r in rows if r["system"] == "trl"}
     for r in rows:
         ratio = f"{trl[r['shape']] / r['step_s']:.2f}x" if r["shape"] in trl else "-"
-        lines.append(f"| {r['shape']} | {r['system']} | {cell(r['step_s'])} | {cell(r['generation_s'])} | "
+        beta = "-" if r.get("beta") is None else f"{r['beta']:g}"  # rows before the field: each trainer's default
+        lines.append(f"| {r['shape']} | {r['system']} | {beta} | {cell(r['step_s'])} | {cell(r['generation_s'])} | "
                      f"{cell(r['scoring_s'])} | {cell(r['update_s'])} | {cell(r['peak_gib'])} | "
                      f"{cell(r['first_step_s'], 1)} | {ratio} |")
     return "\n".join(lines)
