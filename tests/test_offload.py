@@ -443,6 +443,23 @@ def test_compile_repeated_blocks_with_offload(peft_wrapper):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+@pytest.mark.parametrize("where", ["options", "inductor"])
+def test_offload_refuses_inductor_cuda_graphs_naming_the_fix(where, monkeypatch):
+    """Inductor's cudagraph trees do not run the offloaded checkpoint's order: refused before anything compiles."""
+    from fastgrpo.errors import UserError
+
+    model = make("llama", lora=False)
+    options = dict(EAGER)
+    if where == "options":
+        options["inductor_config"] = {"triton.cudagraphs": True}
+    else:
+        monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)
+    with pytest.raises(UserError, match="offload_checkpointing=False"):
+        fastgrpo.compile_repeated_blocks(model, options=options, offload_checkpointing=True)
+    assert not any(getattr(block, "_fastgrpo_compiled", False) for block in repeated_blocks(model))
+    fastgrpo.compile_repeated_blocks(model, options=options)  # without offloading: the user's choice
+
+
 def test_generation_with_cache_runs_compiled_layers_eagerly():
     """A KV-cache call would make one graph per layer (the cache update keys on the layer index) and exhaust
     Dynamo's recompile limit: compiled repeated blocks run such calls uncompiled."""

@@ -35,6 +35,7 @@ from torch._dynamo import config as dynamo_config
 from torch.nn.parallel import DistributedDataParallel
 
 from fastgrpo.compiler.backend import fastgrpo_backend
+from fastgrpo.errors import UserError
 
 # Keyword arguments through which HF decoder layers receive a KV cache.
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
@@ -102,6 +103,27 @@ def _eager_with_cache(block: nn.Module, compiled):
     return call
 
 
+def _cudagraph_trees_obstacle(options: dict | None) -> str | None:
+    """Why inductor's CUDA graphs cannot run with offloaded checkpointing, where they are asked for (the backend's
+    `inductor_config`, or inductor's global `triton.cudagraphs`); None where they are not.
+
+    Measured: H200, torch 2.11, Qwen2.5-0.5B and 1.5B GRPO steps (`bench/grpo_step.py` with
+    `inductor_config={"triton.cudagraphs": True}`): every step raised "Detected 3 tensor(s) in the cudagraph pool not
+    tracked as outputs" after "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards"."""
+    from torch._inductor import config as inductor_config
+
+    asked = (options or {}).get("inductor_config", {}).get("triton.cudagraphs")
+    if asked is None:
+        asked = inductor_config.triton.cudagraphs
+    if not asked:
+        return None
+    return ("inductor's CUDA graphs (triton.cudagraphs, torch.compile's mode='reduce-overhead') do not run "
+            "offloaded checkpointing's forward / recompute / backward order (on torch 2.11 every step raised "
+            "'tensors in the cudagraph pool not tracked as outputs'); fastgrpo replays its own ops as CUDA graphs "
+            "already. Drop that setting, or turn the offloading off (offload_checkpointing=False; in the trainer "
+            "fastgrpo_offload_checkpointing=False)")
+
+
 def compile_repeated_blocks(
     model: nn.Module, options: dict | None = None, dynamic: bool | None = None, offload_checkpointing: bool = False
 ) -> int:
@@ -110,8 +132,9 @@ def compile_repeated_blocks(
     `offload_checkpointing=True` also checkpoints every layer with its input held in host memory
     (`fastgrpo.compiler.offload.enable_offloaded_checkpointing`; `offload_handle(model)` returns its
     handle), instead of HF's `gradient_checkpointing_enable()`, whose flag then toggles the offloading.
-    Works on PEFT models. Raises if the model has no repeated blocks (compile the whole model instead), or if
-    they are compiled already (with options that may differ)."""
+    Works on PEFT models. Raises if the model has no repeated blocks (compile the whole model instead), if
+    they are compiled already (with options that may differ), or if offloading is asked for together with inductor's
+    CUDA graphs (which do not run it)."""
     blocks = repeated_blocks(model)
     if blocks is None:
         raise ValueError(
@@ -120,6 +143,8 @@ def compile_repeated_blocks(
         )
     if any(getattr(block, "_fastgrpo_compiled", False) for block in blocks):
         raise RuntimeError(f"the repeated blocks of {type(model).__name__} are compiled already")
+    if offload_checkpointing and (obstacle := _cudagraph_trees_obstacle(options)):
+        raise UserError(f"fastgrpo.compile_repeated_blocks: {obstacle}")
     for block in blocks:
         # The function itself, not the name: works without the package's entry point installed.
         block.compile(backend=fastgrpo_backend, options=options, dynamic=dynamic)
