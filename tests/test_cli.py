@@ -116,6 +116,7 @@ def _bad_input_cases(tmp_path, model_dir):
         "negative learning rate": (["train", *model, "--learning-rate", "-1"], "--learning-rate / learning_rate = -1.0"),
         "zero steps": (["train", *model, "--max-steps", "0"], "--max-steps / max_steps = 0; it takes a positive"),
         "negative temperature": (["train", *model, "--temperature", "-1"], "--temperature / temperature = -1.0"),
+        "greedy temperature": (["train", *model, "--temperature", "0"], "temperature = 0.0; it takes a number > 0"),
         "negative beta": (["train", *model, "--beta", "-0.1"], "--beta / beta = -0.1; it takes a number >= 0"),
         "no completion tokens": (["train", *model, "--max-completion-length", "0"], "max_completion_length = 0"),
         "empty batch": (["train", *model, "--per-device-train-batch-size", "0"], "per_device_train_batch_size = 0"),

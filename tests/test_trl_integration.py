@@ -407,9 +407,10 @@ def test_checkpointed_layers_mlp_form(tmp_path):
     assert trainer_rule("_compile_options", tmp_path, "cuda", gradient_checkpointing=False) is None
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("beta", -0.04)])
-def test_negative_temperature_or_beta_is_refused(tmp_path, field, value):
-    with pytest.raises(ValueError, match=f"{field}={value}; use a number >= 0"):
+@pytest.mark.parametrize("field, value, takes", [("temperature", -1.0, "> 0"), ("temperature", 0.0, "> 0"),
+                                                 ("beta", -0.04, ">= 0")])
+def test_temperature_or_beta_out_of_range_is_refused(tmp_path, field, value, takes):
+    with pytest.raises(ValueError, match=f"{field}={value}; use a number {takes}"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
 
 

@@ -189,10 +189,13 @@ class GRPOConfig(TRLGRPOConfig):
                 "gradient_accumulation_steps to keep the effective batch) or set fastgrpo_mini_batch to a "
                 "small number of rows."
             )
-        # TRL takes these as given: a negative temperature fails at the first rollout (after the compiles), a negative
-        # beta trains with the KL penalty turned into a reward for drifting from the reference.
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature!r}; use a number >= 0 (0: greedy)")
+        # TRL takes these as given: a negative temperature fails at the first rollout (after the compiles), a zero one
+        # at the first loss (the log-probs divide the logits by it), a negative beta trains with the KL penalty turned
+        # into a reward for drifting from the reference.
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r}; use a number > 0: GRPO trains on sampled completions "
+                             "and its log-probs divide the logits by the temperature (1.0 samples the model as it "
+                             "is, lower values closer to greedy)")
         if not self.beta >= 0:
             raise ValueError(f"beta={self.beta!r}; use a number >= 0 (the KL penalty's weight; 0: no reference pass)")
         # Unsloth-style configs write top_k=-1 or None for "no top-k"; transformers' generate rejects -1, and
