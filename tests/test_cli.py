@@ -79,6 +79,12 @@ def _bad_input_cases(tmp_path, model_dir):
     options.write_text("fastgrpo_compile_options:\n  inner: eager\n  patern: [rope]\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"prompt": "a"}\nnot json\n')
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"prompt": 5}\n{"prompt": 6}\n')
+    one_prompt = tmp_path / "one_prompt.jsonl"
+    one_prompt.write_text('{"prompt": "What is 2 + 2?"}\n')
     no_prompts = tmp_path / "no_prompts.yaml"
     no_prompts.write_text("task_size: 0\n")
     blocked = tmp_path / "a_file"  # a directory cannot be made under a file
@@ -124,6 +130,12 @@ def _bad_input_cases(tmp_path, model_dir):
         "negative seed": (["train", *model, "--seed", "-5"], "--seed / seed = -5; it takes an integer"),
         "no threads": (["train", *model, "--cpu-threads", "0"], "--cpu-threads 0; it takes a positive number"),
         "empty dataset": (["train", *model, "--dataset", str(empty)], "empty.jsonl is empty; it needs rows"),
+        "malformed dataset": (["train", *model, "--dataset", str(malformed)], "malformed.jsonl could not be read as "
+                              "jsonl: JSON parse error"),
+        "numbers as prompts": (["train", *model, "--dataset", str(numbers)], "'prompt' column holds values of type "
+                               "int64; it needs text, or chat messages"),
+        "fewer prompts than a step": (["train", *model, "--dataset", str(one_prompt)],
+                                      "train_dataset has 1 prompt(s) and one step draws 2 distinct prompts"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),
         "output dir not writable": (["train", *model, "--output-dir", str(blocked / "run")],
                                     "cannot be created"),

@@ -6,6 +6,7 @@ On CPU the decoder is compiled with the fastgrpo backend handing off to aot_eage
 """
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -414,9 +415,39 @@ def test_temperature_or_beta_out_of_range_is_refused(tmp_path, field, value, tak
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("top_p", 0.0, "top_p=0.0; use a number in (0, 1]"), ("top_k", -5, "top_k=-5; use an integer >= 0"),
+    ("min_p", 2.0, "min_p=2.0; use a number in [0, 1]"), ("repetition_penalty", 0.0, "repetition_penalty=0.0; use a"),
+    ("num_iterations", 0, "num_iterations=0; use a positive integer"),
+    ("fastgrpo_shared_prompt", "no", "fastgrpo_shared_prompt='no'; use True or False"),  # a truthy string
+    ("fastgrpo_packing", 2, "fastgrpo_packing=2; use True, False or 'auto'"),
+    ("fastgrpo_vllm_max_lora_rank", 0, "fastgrpo_vllm_max_lora_rank=0; use a positive integer"),
+    ("fastgrpo_vllm_kwargs", 5, "fastgrpo_vllm_kwargs=5; use a mapping"),
+    ("fastgrpo_vllm_kwargs", "{bad", "is not a JSON object"),
+])
+def test_out_of_range_settings_are_refused_where_they_enter(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+def test_cli_strings_of_settings_become_their_values(tmp_path):
+    config = F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fastgrpo_shared_prompt="true", fastgrpo_compile="False",
+                          fastgrpo_vllm_kwargs='{"enforce_eager": true}', top_k=-1)
+    assert config.fastgrpo_shared_prompt is True and config.fastgrpo_compile is False and config.top_k == 0
+    assert config.fastgrpo_vllm_kwargs == {"enforce_eager": True}
+
+
 def test_auto_find_batch_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="auto_find_batch_size=False"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, auto_find_batch_size=True)
+
+
+def test_too_few_prompts_for_one_step_is_refused_with_the_fix(tokenizer, tmp_path):
+    # 2 prompts, and a step draws 8 / 2 = 4 distinct ones: TRL's sampler would yield nothing and train 0 steps.
+    args = F.GRPOConfig(**common_args(tmp_path, bf16=False, per_device_train_batch_size=8, num_generations=2))
+    with pytest.raises(ValueError, match=r"train_dataset has 2 prompt\(s\) and one step draws 4 distinct prompts"):
+        F.GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
+                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
 
 
 def test_stock_config_is_refused_with_the_fix(tokenizer, tmp_path):

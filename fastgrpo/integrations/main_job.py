@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         dataset = load_prompt_dataset(job["dataset"])
     else:
         dataset = make_task_dataset(job["task"], size=job["task_size"], seed=train_kwargs["seed"])
+    from fastgrpo.integrations.trl.trainer import check_prompts_for_a_step
+
+    check_prompts_for_a_step(dataset, config)  # also in the trainer; here before the model loads
     if not torch.cuda.is_available():
         threads = choose_cpu_threads(args.cpu_threads)
         print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)

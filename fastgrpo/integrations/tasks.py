@@ -10,11 +10,13 @@ Reward functions follow TRL's signature: `(completions, **dataset_columns) -> li
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
 
-from datasets import Dataset, load_dataset, load_from_disk
+from datasets import Dataset, Value, load_dataset, load_from_disk
+from datasets.exceptions import DatasetGenerationError
 
 from fastgrpo.errors import MissingPathError, UserError
 
@@ -85,14 +87,51 @@ def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
             raise UserError(f"{path}: use a .json, .jsonl, .csv or .parquet file, or a save_to_disk directory")
         if path.stat().st_size == 0:  # datasets' readers raise StopIteration on it
             raise UserError(f"{path} is empty; it needs rows with a 'prompt' column")
-        dataset = load_dataset(kind, data_files=str(path), split="train")
+        try:
+            with _quiet_datasets():
+                dataset = load_dataset(kind, data_files=str(path), split="train")
+        except (DatasetGenerationError, ValueError) as error:  # the reader's own error is the cause (ArrowInvalid, ...)
+            cause = error.__cause__ or error
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise UserError(f"{path} could not be read as {path.suffix[1:]}: {reason}") from error
     else:
         raise MissingPathError(f"--dataset {str(path)!r} does not exist")
     if "prompt" not in dataset.column_names:
         raise UserError(f"{path} has columns {dataset.column_names}; a 'prompt' column is required")
     if len(dataset) == 0:
         raise UserError(f"{path} has no rows; it needs rows with a 'prompt' column")
+    problem = _prompt_feature_problem(dataset.features["prompt"])
+    if problem:
+        raise UserError(f"{path}: its 'prompt' column holds {problem}; it needs text, or chat messages (lists of "
+                        "{'role': ..., 'content': ...})")
     return dataset
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """`datasets` without its progress bars and its logged reader errors (the error is raised as one line)."""
+    from datasets.utils import logging as datasets_logging
+
+    verbosity, bars = datasets_logging.get_verbosity(), datasets_logging.is_progress_bar_enabled()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets_logging.enable_progress_bar()
+
+
+def _prompt_feature_problem(feature) -> str | None:
+    """What is wrong with a 'prompt' column of this `datasets` feature type, or None: strings and lists of chat
+    messages are what TRL's GRPOTrainer takes."""
+    if isinstance(feature, Value):
+        return None if feature.dtype in ("string", "large_string") else f"values of type {feature.dtype}"
+    inner = getattr(feature, "feature", None)
+    if isinstance(inner, dict) and {"role", "content"} <= set(inner):
+        return None
+    return f"values of type {feature}"
 
 
 def completion_text(completion) -> str:

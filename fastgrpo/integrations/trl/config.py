@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,7 +35,29 @@ def _auto_or_bool(name: str, value) -> bool | str:
         if choice is None:
             raise ValueError(f"{name}={value!r}; use True, False or 'auto'")
         return choice
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}; use True, False or 'auto'")
     return value
+
+
+def _bool(name: str, value) -> bool:
+    """True or False; CLI strings ("true", "False") become those. A string such as "no" would otherwise be truthy."""
+    choice = {"true": True, "false": False}.get(value.strip().lower()) if isinstance(value, str) else value
+    if not isinstance(choice, bool):
+        raise ValueError(f"{name}={value!r}; use True or False")
+    return choice
+
+
+# TRL fields TRL takes as given, whose out-of-range values fail late (after the compiles) or sample something else:
+# (field, valid, what it takes).
+_SAMPLING_CHECKS = (
+    ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1: no nucleus filtering)"),
+    ("top_k", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0, -1 or None: no top-k filtering)"),
+    ("min_p", lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or None"),
+    ("repetition_penalty", lambda v: v > 0, "a number > 0 (1.0: none)"),
+    ("max_completion_length", lambda v: v is None or (isinstance(v, int) and v >= 1), "a positive number of tokens"),
+    ("num_iterations", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+)
 
 
 @dataclass
@@ -202,6 +225,22 @@ class GRPOConfig(TRLGRPOConfig):
         # both transformers (0 or None) and vLLM >= 0.22 (0 or -1) read 0 as disabled.
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        for name, valid, takes in _SAMPLING_CHECKS:
+            value = getattr(self, name)
+            try:
+                ok = valid(value)
+            except TypeError:  # a value of the wrong type (a string, ...)
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}={value!r}; use {takes}")
+        for name in ("fastgrpo_compile", "fastgrpo_freeze_gc", "fastgrpo_embedded_generation", "fastgrpo_shared_prompt"):
+            setattr(self, name, _bool(name, getattr(self, name)))
+        rank = self.fastgrpo_vllm_max_lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"fastgrpo_vllm_max_lora_rank={rank!r}; use a positive integer or None (the smallest "
+                             "slot vLLM accepts that holds the adapter)")
+        if self.fastgrpo_compile_cache is not None and not isinstance(self.fastgrpo_compile_cache, (str, os.PathLike)):
+            raise ValueError(f"fastgrpo_compile_cache={self.fastgrpo_compile_cache!r}; use a directory, 'off' or None")
         self.fastgrpo_mini_batch = _auto_or_positive_int("fastgrpo_mini_batch", self.fastgrpo_mini_batch)
         self.fastgrpo_logprob_chunk = _auto_or_positive_int("fastgrpo_logprob_chunk", self.fastgrpo_logprob_chunk)
         self.fastgrpo_packing = _auto_or_bool("fastgrpo_packing", self.fastgrpo_packing)
@@ -219,7 +258,14 @@ class GRPOConfig(TRLGRPOConfig):
             )
         self.fastgrpo_compile_options = checked_options(self.fastgrpo_compile_options, "fastgrpo_compile_options")
         if isinstance(self.fastgrpo_vllm_kwargs, str):
-            self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
+            try:
+                self.fastgrpo_vllm_kwargs = json.loads(self.fastgrpo_vllm_kwargs)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"fastgrpo_vllm_kwargs={self.fastgrpo_vllm_kwargs!r} is not a JSON object "
+                                 f"({error})") from None
+        if self.fastgrpo_vllm_kwargs is not None and not isinstance(self.fastgrpo_vllm_kwargs, dict):
+            raise ValueError(f"fastgrpo_vllm_kwargs={self.fastgrpo_vllm_kwargs!r}; use a mapping of vllm.LLM keyword "
+                             "arguments (or a JSON object as text), or None")
         if self.use_vllm and (error := vllm_import_error()) is not None:
             warnings.warn(
                 f"use_vllm=True but vLLM cannot be imported ({error}); sampling with fastgrpo's embedded generator "

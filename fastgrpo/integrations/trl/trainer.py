@@ -14,6 +14,7 @@ from fastgrpo.compiler.cache import enable_compile_cache
 from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.regions import repeated_blocks
+from fastgrpo.errors import UserError
 from fastgrpo.integrations.checkpoints import save_checkpoint_atomically
 from fastgrpo.integrations.compile_log import CompileLog, FusionSummary
 from fastgrpo.integrations.generation import EmbeddedGenerator
@@ -30,6 +31,22 @@ from fastgrpo.integrations.trl.hooks import (
 from fastgrpo.integrations.trl.logprob_head import CompiledBackbone, LogprobHead
 from fastgrpo.integrations.trl.sizing import auto_mini_batch
 from fastgrpo.integrations.trl.vllm_swap import shared_vllm_generation
+
+
+def check_prompts_for_a_step(dataset, args: GRPOConfig) -> None:
+    """A `UserError` naming the fix where a map-style `dataset` holds fewer prompts than one generation batch draws:
+    TRL's sampler yields only whole batches of distinct prompts, so such a run would train 0 steps and end as if it
+    had succeeded."""
+    if dataset is None or not hasattr(dataset, "__len__") or args.generation_batch_size is None:
+        return
+    needed = args.generation_batch_size // args.num_generations
+    if len(dataset) < needed:
+        raise UserError(
+            f"train_dataset has {len(dataset)} prompt(s) and one step draws {needed} distinct prompts "
+            f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}): TRL's "
+            "sampler would yield no batch and train 0 steps. Add prompts (repeat them), or lower "
+            "per_device_train_batch_size or steps_per_generation."
+        )
 
 
 class GRPOTrainer(TRLGRPOTrainer):
@@ -57,6 +74,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                 "fastgrpo's GRPOTrainer does not compute the MoE router load-balancing loss yet; set "
                 "router_aux_loss_coef=0.0 in the config, or use TRL's GRPOTrainer for this model."
             )
+        check_prompts_for_a_step(self.train_dataset, args)
         keep_bnb_4bit_on_its_autograd_path(self.model)
         self._embedded_generator = None
         self._fastgrpo_heads = []
