@@ -167,3 +167,16 @@ def test_first_ctrl_c_saves_and_stops_at_the_step_end_second_stops_at_once(capsy
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_lora_mismatch_names_each_setting_that_differs(tmp_path):
+    from fastgrpo.integrations.checkpoints import lora_mismatch
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"]}))
+    assert lora_mismatch(tmp_path, 8, 16.0, ["q_proj", "v_proj"]) is None
+    assert lora_mismatch(tmp_path, 8, 16, "all-linear") is None  # PEFT expands it: not compared
+    assert lora_mismatch(tmp_path, 16, 32, ["q_proj"]) == (
+        "lora_r 8 (this run: 16); lora_alpha 16 (this run: 32); lora_target_modules ['q_proj', 'v_proj'] (this run: "
+        "['q_proj'])")
+    assert lora_mismatch(tmp_path / "missing", 16, 32, ["q_proj"]) is None  # no adapter config: nothing to compare

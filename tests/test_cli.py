@@ -83,6 +83,11 @@ def _bad_input_cases(tmp_path, model_dir):
     malformed.write_text('{"prompt": "a"}\nnot json\n')
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"prompt": 5}\n{"prompt": 6}\n')
+    resumed = tmp_path / "resumed"  # a run whose checkpoint holds a rank-8 adapter
+    (resumed / "checkpoint-1").mkdir(parents=True)
+    (resumed / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    (resumed / "checkpoint-1" / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}))
     one_prompt = tmp_path / "one_prompt.jsonl"
     one_prompt.write_text('{"prompt": "What is 2 + 2?"}\n')
     no_prompts = tmp_path / "no_prompts.yaml"
@@ -134,6 +139,8 @@ def _bad_input_cases(tmp_path, model_dir):
                               "jsonl: JSON parse error"),
         "numbers as prompts": (["train", *model, "--dataset", str(numbers)], "'prompt' column holds values of type "
                                "int64; it needs text, or chat messages"),
+        "resume with another LoRA": (["train", *model, "--output-dir", str(resumed), "--resume", "--lora-r", "16"],
+                                     "--resume: checkpoint-1 was written with lora_r 8 (this run: 16); resume with its"),
         "fewer prompts than a step": (["train", *model, "--dataset", str(one_prompt)],
                                       "train_dataset has 1 prompt(s) and one step draws 2 distinct prompts"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),

@@ -432,15 +432,20 @@ def main(argv: list[str] | None = None) -> int:
     from fastgrpo.integrations.trl.trainer import check_prompts_for_a_step
 
     check_prompts_for_a_step(dataset, config)  # also in the trainer; here before the model loads
-    if not torch.cuda.is_available():
-        threads = choose_cpu_threads(args.cpu_threads)
-        print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
     resume_from = checkpoints.newest_loadable_checkpoint(output_dir) if args.resume else None
     if args.resume and resume_from is None:
         print(f"--resume: no checkpoint in {output_dir} that loads, starting from scratch", file=sys.stderr)
+    if resume_from and (mismatch := checkpoints.lora_mismatch(resume_from, job["lora_r"], job["lora_alpha"],
+                                                               job["lora_target_modules"])):
+        raise UserError(f"--resume: {Path(resume_from).name} was written with {mismatch}; resume with its LoRA "
+                        "settings, or give a new --output-dir")
     if args.resume:  # the steps past the checkpoint are run and logged again
         step = json.loads((Path(resume_from) / "trainer_state.json").read_text())["global_step"] if resume_from else 0
         checkpoints.drop_log_lines_after(output_dir / "train_log.jsonl", step)
+
+    if not torch.cuda.is_available():
+        threads = choose_cpu_threads(args.cpu_threads)
+        print(f"CPU run with {threads} torch thread(s) (--cpu-threads to change)", file=sys.stderr)
 
     # bf16 weights on a GPU (as TRL's dtype="auto" loads hub checkpoints): generation, which runs in the
     # weights' dtype, and the frozen base both get the fast path; LoRA weights stay fp32 (PEFT upcasts them).
