@@ -33,6 +33,7 @@ from bench import _harness as harness  # noqa: E402
 from bench.grpo_train_step import build_model  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
 from fastgrpo.integrations.generation import adapters  # noqa: E402
+from fastgrpo.integrations.generation import sampling as sampling_module  # noqa: E402
 from fastgrpo.integrations.generation.adapters import MERGE_MODES  # noqa: E402
 
 BANDWIDTH = harness.COPY_TBPS * 1e12
@@ -58,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--merge-lora", default="float", choices=MERGE_MODES,
                    help="LoRA layers decoded from merged weights (EmbeddedGenerator's merge_lora)")
     p.add_argument("--compile-sampling", type=int, default=1, help="0: the decode step's sampling runs eagerly")
+    p.add_argument("--fused-sampling", type=int, default=None,
+                   help="1/0: plain sampling through fastgrpo::race_sample or the eager race (sampling.FUSED; "
+                   "default: as $FASTGRPO_FUSED_SAMPLING says)")
     p.add_argument("--join-qkv", type=int, default=1,
                    help="0: merged q, k and v decode as three GEMMs (adapters.JOIN_QKV off)")
     args = p.parse_args(argv)
@@ -113,6 +117,8 @@ def profile(generator, prompts, new_tokens: int, device: str) -> None:
 def main(argv=None):
     args = parse_args(argv)
     adapters.JOIN_QKV = bool(args.join_qkv)
+    if args.fused_sampling is not None:
+        sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = build_model(args.shape, dtype, device, tiny=args.tiny).eval()
@@ -167,7 +173,8 @@ def main(argv=None):
         limit = limit_seconds(decoder, lengths, args.prompt_len)
         row = dict(path="EmbeddedGenerator", backend=args.backend, backend_options=args.backend_options, shape=args.shape, rows=rows, new_tokens=new, spread=spread,
                    mean_length=tokens / rows, lora=bool(args.lora), merge_lora=args.merge_lora if args.lora else None,
-                   compile_sampling=bool(args.compile_sampling), join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, seconds=seconds,
+                   compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
+                   join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, seconds=seconds,
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,
                    batches=sorted(generator.engine._buffers.batches) if generator.engine else None,

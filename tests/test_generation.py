@@ -427,6 +427,30 @@ def test_logprobs_are_the_trainers():
         torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_fused_sampling_logprobs_are_the_trainers_and_draws_vary(monkeypatch):
+    """With sampling.FUSED, plain sampling runs as fastgrpo::race_sample (here through Triton's interpreter): the
+    log-probs are still log-softmax(logits / T) of the model's forward, and the rows of one prompt draw differently."""
+    from fastgrpo.integrations.generation import sampling
+    from fastgrpo.kernels import race_sample
+    from fastgrpo.kernels._dispatch import triton_on_cpu
+
+    monkeypatch.setattr(sampling, "FUSED", True)
+    calls = []
+    monkeypatch.setattr(sampling, "race_sample", lambda *a: calls.append(a) or race_sample.race_sample(*a))
+    model = with_lora(tiny_lm("llama"))
+    batch = [prompts()[0]] * 4
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=5)
+    with triton_on_cpu():
+        ids, logprobs = generator.generate(batch, temperature=0.7, return_logprobs=True)
+    assert calls and len({tuple(row) for row in ids}) > 1
+    for prompt, completion, got in zip(batch, ids, logprobs):
+        sequence = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float() / 0.7
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_sampled_tokens_follow_the_models_distribution():
     """Many rows of one prompt, one sampled token each: frequencies match softmax(logits / T) after top-k, within
     sampling noise (a fixed seed; 4000 draws over a 16-token vocabulary)."""
@@ -596,6 +620,33 @@ def test_compiled_sampling_draws_from_the_distribution_also_when_replayed():
         draws.append(tokens.clone())
         frequencies = torch.bincount(tokens, minlength=16).float() / tokens.numel()
         assert set(tokens.unique().tolist()) <= set(kept.tolist())
+        assert (frequencies - probs).abs().max() < 0.02
+        torch.testing.assert_close(logprobs, (logits / 0.8).log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+
+
+@pytest.mark.gpu
+def test_fused_sampling_compiled_and_replayed_draws_from_the_distribution(monkeypatch):
+    """sampling.FUSED on CUDA, compiled and captured as the decode step runs it: frequencies of 8192 rows match
+    softmax(logits / T), and each replay draws anew (the seed is drawn inside the graph)."""
+    from fastgrpo.integrations.generation import sampling
+
+    monkeypatch.setattr(sampling, "FUSED", True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    logits = torch.randn(16, device="cuda").expand(8192, 16).contiguous()
+    setting = sampling.Sampling(temperature=0.8)
+    compiled = torch.compile(sampling.sample, backend="inductor", fullgraph=True)
+    probs = (logits[0] / 0.8).softmax(-1)
+    compiled(logits, setting, None)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens, logprobs = compiled(logits, setting, None)
+    draws = []
+    for _ in range(3):
+        graph.replay()
+        draws.append(tokens.clone())
+        frequencies = torch.bincount(tokens, minlength=16).float() / tokens.numel()
         assert (frequencies - probs).abs().max() < 0.02
         torch.testing.assert_close(logprobs, (logits / 0.8).log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
     assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])

@@ -1,11 +1,20 @@
 """Next-token sampling as `model.generate` samples, with no host sync (it runs inside a captured decode step)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.kernels._dispatch import use_triton
+from fastgrpo.kernels.race_sample import race_sample
+
 _FILTERED = float("-inf")
+# Plain sampling (temperature > 0, no filter, no repetition penalty: TRL's defaults) through fastgrpo::race_sample,
+# one read of the logits in two launches, instead of the eager race's ~8 passes over [rows, vocab]. Off until measured
+# on a GPU (`python bench/bench_generation.py --fused-sampling 1` against the default); FASTGRPO_FUSED_SAMPLING=1 turns
+# it on.
+FUSED = os.environ.get("FASTGRPO_FUSED_SAMPLING", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -86,10 +95,20 @@ def _race(scaled: torch.Tensor) -> torch.Tensor:
     return (scaled - race).argmax(dim=-1)
 
 
+def _plain(sampling: Sampling, vocab: int) -> bool:
+    """Whether `sampling` draws from softmax(logits / T) with nothing filtered or penalized."""
+    return (sampling.temperature > 0 and sampling.repetition_penalty == 1.0 and sampling.top_p >= 1.0
+            and not (sampling.top_k and sampling.top_k < vocab) and not sampling.min_p)
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: the repetition penalty (over `seen`), then the temperature and `sample_next_token`'s
     filters. Also returns each token's log-prob as the trainer computes it: log-softmax of the logits over the
-    temperature (1 when greedy), before the penalty and the filters."""
+    temperature (1 when greedy), before the penalty and the filters. With FUSED, plain sampling runs as one op whose
+    seed is drawn from torch's generator here (so a captured step draws anew at every replay)."""
+    if FUSED and _plain(sampling, logits.shape[-1]) and use_triton(logits):
+        seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device)
+        return race_sample(logits, seed, sampling.temperature)
     temperature = sampling.temperature or 1.0
     scaled = logits.float() / temperature
     chosen_from = scaled
