@@ -90,6 +90,11 @@ run_step() {
     # and its decode attention kernel against SDPA over the whole cache.
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
     decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
+    # Plain sampling as fastgrpo::race_sample against the eager race, one process each, alternating twice.
+    fused_sampling)
+      for fused in 0 1 0 1; do
+        step "fused_sampling_$fused" 110 "$OURS" python3 bench/bench_generation.py --cases ${FUSED_CASES:-64x256,128x512} --fused-sampling $fused
+      done ;;
     # The whole GRPO step (trainer.train(): generation, scoring, update) of fastgrpo's trainer and stock TRL's, one
     # process each, for each of TRAIN_SHAPES (bench/_harness.py names) and TRAIN_SYSTEMS (a system named twice runs
     # twice: the second finds the first's compile cache). TRAIN_ARGS are added to every run (e.g. "--steps 1");
