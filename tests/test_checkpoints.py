@@ -177,6 +177,6 @@ def test_lora_mismatch_names_each_setting_that_differs(tmp_path):
     assert lora_mismatch(tmp_path, 8, 16.0, ["q_proj", "v_proj"]) is None
     assert lora_mismatch(tmp_path, 8, 16, "all-linear") is None  # PEFT expands it: not compared
     assert lora_mismatch(tmp_path, 16, 32, ["q_proj"]) == (
-        "lora_r 8 (this run: 16); lora_alpha 16 (this run: 32); lora_target_modules ['q_proj', 'v_proj'] (this run: "
-        "['q_proj'])")
+        "LoRA rank 8 (this run: 16); LoRA alpha 16 (this run: 32); LoRA target modules ['q_proj', 'v_proj'] (this "
+        "run: ['q_proj'])")
     assert lora_mismatch(tmp_path / "missing", 16, 32, ["q_proj"]) is None  # no adapter config: nothing to compare

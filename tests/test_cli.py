@@ -140,7 +140,7 @@ def _bad_input_cases(tmp_path, model_dir):
         "numbers as prompts": (["train", *model, "--dataset", str(numbers)], "'prompt' column holds values of type "
                                "int64; it needs text, or chat messages"),
         "resume with another LoRA": (["train", *model, "--output-dir", str(resumed), "--resume", "--lora-r", "16"],
-                                     "--resume: checkpoint-1 was written with lora_r 8 (this run: 16); resume with its"),
+                                     "--resume: checkpoint-1 was written with LoRA rank 8 (this run: 16); resume with its"),
         "fewer prompts than a step": (["train", *model, "--dataset", str(one_prompt)],
                                       "train_dataset has 1 prompt(s) and one step draws 2 distinct prompts"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),

@@ -5,6 +5,7 @@ On CPU the decoder is compiled with the fastgrpo backend handing off to aot_eage
 ~25 s); the GPU tests use the backend's defaults.
 """
 import gc
+import json
 import math
 import re
 
@@ -448,6 +449,18 @@ def test_too_few_prompts_for_one_step_is_refused_with_the_fix(tokenizer, tmp_pat
     with pytest.raises(ValueError, match=r"train_dataset has 2 prompt\(s\) and one step draws 4 distinct prompts"):
         F.GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
+
+
+def test_resuming_a_checkpoint_of_another_lora_is_refused_naming_it(tokenizer, tmp_path):
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "adapter_config.json").write_text(json.dumps(
+        {"r": 2, "lora_alpha": LORA["lora_alpha"], "target_modules": LORA["target_modules"]}))
+    trainer = F.GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=low_id_fraction, processing_class=tokenizer,
+                            args=F.GRPOConfig(**common_args(tmp_path, bf16=False, fastgrpo_compile=False)),
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
+    with pytest.raises(ValueError, match=r"checkpoint-3 was written with LoRA rank 2 \(this run: 4\); resume with"):
+        trainer._load_from_checkpoint(str(checkpoint))
 
 
 def test_stock_config_is_refused_with_the_fix(tokenizer, tmp_path):

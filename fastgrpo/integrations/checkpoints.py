@@ -196,20 +196,21 @@ def newest_loadable_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def lora_mismatch(checkpoint: str | os.PathLike, r: int, alpha: float, target_modules) -> str | None:
-    """How the LoRA a checkpoint was written with (its adapter_config.json) differs from this run's, in the job's
-    setting names; None when it matches or the checkpoint holds no adapter config. A rank or targets that differ would
-    fail the load with a size mismatch per tensor; an alpha that differs would resume with another scaling."""
+    """How the LoRA a checkpoint was written with (its adapter_config.json) differs from this run's; None when it
+    matches, or the checkpoint holds no adapter config, or `target_modules` is a name PEFT expands ("all-linear"). A
+    rank or targets that differ would fail the load with a size mismatch per tensor; an alpha that differs would
+    resume with another scaling."""
     path = Path(checkpoint) / "adapter_config.json"
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
     differences = []
     if saved.get("r") != r:
-        differences.append(f"lora_r {saved.get('r')} (this run: {r})")
+        differences.append(f"LoRA rank {saved.get('r')} (this run: {r})")
     if saved.get("lora_alpha") is not None and float(saved["lora_alpha"]) != float(alpha):
-        differences.append(f"lora_alpha {saved['lora_alpha']} (this run: {alpha})")
+        differences.append(f"LoRA alpha {saved['lora_alpha']} (this run: {alpha})")
     if not isinstance(target_modules, str) and set(saved.get("target_modules") or ()) != set(target_modules):
-        differences.append(f"lora_target_modules {sorted(saved.get('target_modules') or ())} (this run: "
+        differences.append(f"LoRA target modules {sorted(saved.get('target_modules') or ())} (this run: "
                            f"{sorted(target_modules)})")
     return "; ".join(differences) or None
 

@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     if resume_from and (mismatch := checkpoints.lora_mismatch(resume_from, job["lora_r"], job["lora_alpha"],
                                                                job["lora_target_modules"])):
         raise UserError(f"--resume: {Path(resume_from).name} was written with {mismatch}; resume with its LoRA "
-                        "settings, or give a new --output-dir")
+                        "settings (--lora-r, lora_alpha, lora_target_modules), or give a new --output-dir")
     if args.resume:  # the steps past the checkpoint are run and logged again
         step = json.loads((Path(resume_from) / "trainer_state.json").read_text())["global_step"] if resume_from else 0
         checkpoints.drop_log_lines_after(output_dir / "train_log.jsonl", step)

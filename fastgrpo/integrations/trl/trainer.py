@@ -3,6 +3,7 @@ rows, memory-sized mini-batches and the embedded generator."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from trl.extras.profiling import profiling_context
@@ -15,7 +16,7 @@ from fastgrpo.compiler.offload import enable_offloaded_checkpointing
 from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.regions import repeated_blocks
 from fastgrpo.errors import UserError
-from fastgrpo.integrations.checkpoints import save_checkpoint_atomically
+from fastgrpo.integrations.checkpoints import lora_mismatch, save_checkpoint_atomically
 from fastgrpo.integrations.compile_log import CompileLog, FusionSummary
 from fastgrpo.integrations.generation import EmbeddedGenerator
 from fastgrpo.integrations.packing import PACK_MIN_SAVED, Packer
@@ -111,6 +112,20 @@ class GRPOTrainer(TRLGRPOTrainer):
         regions = args.fastgrpo_compile and repeated_blocks(causal_lm_of(self.model)) is not None
         needed = reentrant or self._offload_on() or regions
         keep_one_input_require_grads_hook(causal_lm_of(self.model), needed=needed)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """A checkpoint whose adapter has another rank, alpha or targets than this run's is refused naming them (PEFT
+        would fail with a size mismatch per tensor, or resume with another scaling)."""
+        target = model if model is not None else self.model
+        configs = getattr(target, "peft_config", None) or {}
+        config = configs.get(getattr(target, "active_adapter", None)) if isinstance(configs, dict) else None
+        if config is not None and hasattr(config, "r"):
+            targets = config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules)
+            mismatch = lora_mismatch(resume_from_checkpoint, config.r, config.lora_alpha, targets)
+            if mismatch:
+                raise UserError(f"resume_from_checkpoint: {Path(resume_from_checkpoint).name} was written with "
+                                f"{mismatch}; resume with its LoraConfig, or train from scratch")
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_checkpoint(self, model, trial):
         """checkpoint-N appears only when complete (fastgrpo.integrations.checkpoints)."""
