@@ -61,7 +61,7 @@ step() {  # name, cap seconds, environment, command...
 
 run_step() {
   case $1 in
-    tests) step tests 240 "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
+    tests) step tests ${TESTS_CAP:-240} "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/ ;;
     # STEP_SYSTEMS: padded fastgrpo variants timed in this step (e.g. fastgrpo,fastgrpo_save), STEP_CAP its seconds.
     fastgrpo) step fastgrpo ${STEP_CAP:-160} "$OURS" python3 bench/grpo_step.py --systems ${STEP_SYSTEMS:-fastgrpo} --shape ${SHAPE:-qwen2.5-1.5b} --completions $COMPLETIONS $STEP_ARGS ;;
     unsloth) step unsloth 170 "$PEERS" python3 bench/peers/unsloth_step.py ${UNSLOTH_COMPLETIONS:-1024 4096 16384} --shape ${SHAPE:-qwen2.5-1.5b} $STEP_ARGS ;;
