@@ -444,18 +444,23 @@ def test_compile_repeated_blocks_with_offload(peft_wrapper):
 
 
 @pytest.mark.parametrize("where", ["options", "inductor"])
-def test_offload_refuses_inductor_cuda_graphs_naming_the_fix(where, monkeypatch):
+def test_offload_refuses_inductor_cuda_graphs_naming_the_fix(where):
     """Inductor's cudagraph trees do not run the offloaded checkpoint's order: refused before anything compiles."""
+    import contextlib
+
+    from torch._inductor import config as inductor_config
+
     from fastgrpo.errors import UserError
 
     model = make("llama", lora=False)
     options = dict(EAGER)
     if where == "options":
         options["inductor_config"] = {"triton.cudagraphs": True}
-    else:
-        monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)
-    with pytest.raises(UserError, match="offload_checkpointing=False"):
+    # inductor's config.patch puts the global setting back (monkeypatch's undo deletes the config key)
+    globally = inductor_config.patch({"triton.cudagraphs": True}) if where == "inductor" else contextlib.nullcontext()
+    with globally, pytest.raises(UserError, match="offload_checkpointing=False"):
         fastgrpo.compile_repeated_blocks(model, options=options, offload_checkpointing=True)
+    assert inductor_config.triton.cudagraphs is False
     assert not any(getattr(block, "_fastgrpo_compiled", False) for block in repeated_blocks(model))
     fastgrpo.compile_repeated_blocks(model, options=options)  # without offloading: the user's choice
 

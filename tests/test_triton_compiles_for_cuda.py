@@ -33,6 +33,7 @@ from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear
+from fastgrpo.kernels.race_sample import race_sample
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
 from fastgrpo.kernels.rope import rope
 from fastgrpo.kernels.selective_logprob import selective_logprob
@@ -215,6 +216,11 @@ def _run_every_op():
                     scaling=2.0) if rank else {}
         nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant,
                         **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+
+    # The rollout engine's plain sampling: bf16 logits of a real vocabulary in many splits, fp32 in one, an int32 seed.
+    for rows, vocab, dtype, seed_dtype in ((64, 151_936, torch.bfloat16, torch.int64), (1024, 4096, torch.float32,
+                                                                                         torch.int32)):
+        race_sample(torch.zeros(rows, vocab, dtype=dtype), torch.zeros(1, dtype=seed_dtype), 0.7)
 
     # RMSNorm's backward in each form a launch configuration selects, whichever the defaults pick at these widths:
     # the row loop of persistent programs with the next rows prefetched into registers (stages 0) or
