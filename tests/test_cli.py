@@ -88,6 +88,9 @@ def _bad_input_cases(tmp_path, model_dir):
     (resumed / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
     (resumed / "checkpoint-1" / "adapter_config.json").write_text(json.dumps(
         {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}))
+    earlier = tmp_path / "earlier"  # a finished run's directory
+    (earlier / "checkpoint-30").mkdir(parents=True)
+    (earlier / "train_log.jsonl").write_text('{"step": 30}\n')
     one_prompt = tmp_path / "one_prompt.jsonl"
     one_prompt.write_text('{"prompt": "What is 2 + 2?"}\n')
     no_prompts = tmp_path / "no_prompts.yaml"
@@ -141,6 +144,9 @@ def _bad_input_cases(tmp_path, model_dir):
                                "int64; it needs text, or chat messages"),
         "resume with another LoRA": (["train", *model, "--output-dir", str(resumed), "--resume", "--lora-r", "16"],
                                      "--resume: checkpoint-1 was written with LoRA rank 8 (this run: 16); resume with its"),
+        "earlier run without --resume": (["train", *model, "--output-dir", str(earlier)],
+                                         "holds an earlier run (checkpoint-30, train_log.jsonl); a new run there would "
+                                         "delete its checkpoints"),
         "fewer prompts than a step": (["train", *model, "--dataset", str(one_prompt)],
                                       "train_dataset has 1 prompt(s) and one step draws 2 distinct prompts"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),

@@ -195,6 +195,19 @@ def newest_loadable_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def previous_run(output_dir: str | os.PathLike) -> str | None:
+    """What an earlier run left in `output_dir` (its checkpoints, step log, adapter), or None when it holds none: a
+    new run there would rotate those checkpoints away, append to the log and replace the adapter."""
+    root = Path(output_dir)
+    found = [path.name for path in checkpoints_newest_first(root)]
+    log = root / "train_log.jsonl"
+    if log.is_file() and log.stat().st_size:
+        found.append(log.name)
+    if (root / "adapter").is_dir():
+        found.append("adapter/")
+    return ", ".join(found) or None
+
+
 def lora_mismatch(checkpoint: str | os.PathLike, r: int, alpha: float, target_modules) -> str | None:
     """How the LoRA a checkpoint was written with (its adapter_config.json) differs from this run's; None when it
     matches, or the checkpoint holds no adapter config, or `target_modules` is a name PEFT expands ("all-linear"). A

@@ -13,7 +13,8 @@ tokenizer), train_log.jsonl (one line per logged step), reward_curve.png.
 
 Faults: a checkpoint directory appears only once complete; --resume takes the newest checkpoint that loads (a
 damaged one is skipped with a warning naming the file). Ctrl-C saves a checkpoint at the end of the step under
-way, prints the command that resumes and exits with status 130; a second Ctrl-C stops at once.
+way, prints the command that resumes and exits with status 130; a second Ctrl-C stops at once. An --output-dir
+that holds an earlier run is refused without --resume (a new run would rotate its checkpoints away).
 """
 from __future__ import annotations
 
@@ -424,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         raise UserError(f"--output-dir {str(output_dir)!r} cannot be created ({error.strerror}); "
                         "give a directory you can write to") from error
+    if not args.resume and (previous := checkpoints.previous_run(output_dir)):
+        raise UserError(f"--output-dir {str(output_dir)!r} holds an earlier run ({previous}); a new run there would "
+                        "delete its checkpoints and mix the logs. Pass --resume to continue it, or give another "
+                        "--output-dir (or remove that one)")
     # The dataset before the model: its errors (empty, no prompt column) come before the load.
     if job["dataset"] is not None:
         dataset = load_prompt_dataset(job["dataset"])
