@@ -91,6 +91,8 @@ def _bad_input_cases(tmp_path, model_dir):
     earlier = tmp_path / "earlier"  # a finished run's directory
     (earlier / "checkpoint-30").mkdir(parents=True)
     (earlier / "train_log.jsonl").write_text('{"step": 30}\n')
+    plain_dir = tmp_path / "plain_dir"  # a directory, not a save_to_disk one
+    plain_dir.mkdir()
     one_prompt = tmp_path / "one_prompt.jsonl"
     one_prompt.write_text('{"prompt": "What is 2 + 2?"}\n')
     no_prompts = tmp_path / "no_prompts.yaml"
@@ -147,6 +149,8 @@ def _bad_input_cases(tmp_path, model_dir):
         "earlier run without --resume": (["train", *model, "--output-dir", str(earlier)],
                                          "holds an earlier run (checkpoint-30, train_log.jsonl); a new run there would "
                                          "delete its checkpoints"),
+        "dataset directory not saved": (["train", *model, "--dataset", str(plain_dir)],
+                                        "plain_dir is a directory but not a datasets save_to_disk one"),
         "fewer prompts than a step": (["train", *model, "--dataset", str(one_prompt)],
                                       "train_dataset has 1 prompt(s) and one step draws 2 distinct prompts"),
         "no task prompts": (["train", *model, "--config", str(no_prompts)], "task_size = 0; it takes a positive"),
@@ -211,3 +215,17 @@ def test_grpo_config_checks_backend_options_where_they_enter():
         GRPOConfig(output_dir="unused", use_cpu=True, fastgrpo_compile_options="{inner: eager}")
     config = GRPOConfig(output_dir="unused", use_cpu=True, fastgrpo_compile_options='{"inner": "eager"}')
     assert config.fastgrpo_compile_options == {"inner": "eager"}
+
+
+def test_a_damaged_model_file_is_one_line_naming_the_fix(tmp_path):
+    """A weights file cut short (a full disk, an interrupted copy) fails the load with one line, not a traceback."""
+    from fastgrpo.errors import UserError
+    from fastgrpo.integrations.models import load_model_and_tokenizer
+    from tests.tiny_models import tiny_tokenizer
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer(["a b c", "d e f"], vocab=64).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(UserError, match=r"could not be loaded \(SafetensorError: .*save or copy the model again"):
+        load_model_and_tokenizer(tmp_path)

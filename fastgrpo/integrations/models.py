@@ -13,10 +13,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.compiler.cache import fastgrpo_cache_root
-from fastgrpo.errors import MissingPathError
+from fastgrpo.errors import MissingPathError, UserError
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_ALIASES = (SMOLLM2_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -134,7 +135,12 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The causal LM and its tokenizer, with eos/pad set consistently (pad = eos when the tokenizer has none)."""
     path = resolve_model_path(name_or_path, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, SafetensorError) as error:  # a damaged or cut-off file (a full disk, an interrupted copy)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"the model in {path} could not be loaded ({type(error).__name__}: {reason}); its files look "
+                        "damaged: save or copy the model again") from error
     _fix_special_tokens(model, tokenizer, eos_token=None)
     return model, tokenizer

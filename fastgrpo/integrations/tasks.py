@@ -76,7 +76,11 @@ def load_prompt_dataset(path: str | os.PathLike) -> Dataset:
     """A local dataset with a "prompt" column: a `save_to_disk` directory, or a .json/.jsonl/.csv/.parquet file."""
     path = Path(path).expanduser()
     if path.is_dir():
-        dataset = load_from_disk(str(path))
+        try:
+            dataset = load_from_disk(str(path))
+        except FileNotFoundError as error:  # a directory without save_to_disk's files
+            raise UserError(f"{path} is a directory but not a datasets save_to_disk one; give that, or a .json, "
+                            ".jsonl, .csv or .parquet file") from error
         if hasattr(dataset, "keys"):  # a DatasetDict: train on its "train" split
             if "train" not in dataset:
                 raise UserError(f"{path} holds splits {list(dataset)}; it needs a 'train' split")
