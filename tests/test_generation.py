@@ -597,17 +597,20 @@ def test_cuda_graph_decode_matches_model_generate(arch, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_compiled_sampling_draws_from_the_distribution_also_when_replayed():
-    """The decode step's compiled sampling (inductor's RNG) on CUDA: frequencies of 8192 rows of one distribution
-    match softmax(logits / T) after top-k, and each replay of a captured call draws anew."""
-    from fastgrpo.integrations.generation.sampling import Sampling, sample
+@pytest.mark.parametrize("fused, top_k", [(False, 6), (True, None)])
+def test_compiled_sampling_draws_from_the_distribution_also_when_replayed(monkeypatch, fused, top_k):
+    """The decode step's compiled sampling on CUDA, captured as the decode step runs it: frequencies of 8192 rows of
+    one distribution match softmax(logits / T) after top-k, and each replay draws anew. Unfused: inductor's RNG;
+    fused (sampling.FUSED, plain sampling through fastgrpo::race_sample): the seed is drawn inside the graph."""
+    from fastgrpo.integrations.generation import sampling
 
+    monkeypatch.setattr(sampling, "FUSED", fused)
     torch._dynamo.reset()
     torch.manual_seed(0)
     logits = torch.randn(16, device="cuda").expand(8192, 16).contiguous()
-    setting = Sampling(temperature=0.8, top_k=6)
-    compiled = torch.compile(sample, backend="inductor", fullgraph=True)
-    kept = logits[0].topk(6).indices
+    setting = sampling.Sampling(temperature=0.8, top_k=top_k)
+    compiled = torch.compile(sampling.sample, backend="inductor", fullgraph=True)
+    kept = logits[0].topk(top_k or 16).indices
     scaled = logits[0] / 0.8
     probs = torch.full_like(scaled, float("-inf")).scatter(0, kept, scaled[kept]).softmax(-1)
     compiled(logits, setting, None)  # compiles
@@ -620,33 +623,6 @@ def test_compiled_sampling_draws_from_the_distribution_also_when_replayed():
         draws.append(tokens.clone())
         frequencies = torch.bincount(tokens, minlength=16).float() / tokens.numel()
         assert set(tokens.unique().tolist()) <= set(kept.tolist())
-        assert (frequencies - probs).abs().max() < 0.02
-        torch.testing.assert_close(logprobs, (logits / 0.8).log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
-    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
-
-
-@pytest.mark.gpu
-def test_fused_sampling_compiled_and_replayed_draws_from_the_distribution(monkeypatch):
-    """sampling.FUSED on CUDA, compiled and captured as the decode step runs it: frequencies of 8192 rows match
-    softmax(logits / T), and each replay draws anew (the seed is drawn inside the graph)."""
-    from fastgrpo.integrations.generation import sampling
-
-    monkeypatch.setattr(sampling, "FUSED", True)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    logits = torch.randn(16, device="cuda").expand(8192, 16).contiguous()
-    setting = sampling.Sampling(temperature=0.8)
-    compiled = torch.compile(sampling.sample, backend="inductor", fullgraph=True)
-    probs = (logits[0] / 0.8).softmax(-1)
-    compiled(logits, setting, None)  # compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tokens, logprobs = compiled(logits, setting, None)
-    draws = []
-    for _ in range(3):
-        graph.replay()
-        draws.append(tokens.clone())
-        frequencies = torch.bincount(tokens, minlength=16).float() / tokens.numel()
         assert (frequencies - probs).abs().max() < 0.02
         torch.testing.assert_close(logprobs, (logits / 0.8).log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
     assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from fastgrpo.compiler.cache import fastgrpo_cache_root
 from fastgrpo.errors import MissingPathError, UserError
+from fastgrpo.passes._fx import error_summary
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_ALIASES = (SMOLLM2_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -139,8 +140,7 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, SafetensorError) as error:  # a damaged or cut-off file (a full disk, an interrupted copy)
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"the model in {path} could not be loaded ({type(error).__name__}: {reason}); its files look "
+        raise UserError(f"the model in {path} could not be loaded ({error_summary(error)}); its files look "
                         "damaged: save or copy the model again") from error
     _fix_special_tokens(model, tokenizer, eos_token=None)
     return model, tokenizer

@@ -48,9 +48,14 @@ def _bool(name: str, value) -> bool:
     return choice
 
 
-# TRL fields TRL takes as given, whose out-of-range values fail late (after the compiles) or sample something else:
-# (field, valid, what it takes).
-_SAMPLING_CHECKS = (
+# TRL fields TRL takes as given, whose out-of-range values fail late or train something else: a negative temperature
+# fails at the first rollout (after the compiles), a zero one at the first loss (the log-probs divide the logits by
+# it), a negative beta trains with the KL penalty turned into a reward for drifting from the reference; the sampling
+# filters' would sample something else. (field, valid, what it takes).
+_RANGE_CHECKS = (
+    ("temperature", lambda v: v > 0, "a number > 0: GRPO trains on sampled completions and its log-probs divide the "
+     "logits by the temperature (1.0 samples the model as it is, lower values closer to greedy)"),
+    ("beta", lambda v: v >= 0, "a number >= 0 (the KL penalty's weight; 0: no reference pass)"),
     ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1: no nucleus filtering)"),
     ("top_k", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0, -1 or None: no top-k filtering)"),
     ("min_p", lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or None"),
@@ -212,20 +217,11 @@ class GRPOConfig(TRLGRPOConfig):
                 "gradient_accumulation_steps to keep the effective batch) or set fastgrpo_mini_batch to a "
                 "small number of rows."
             )
-        # TRL takes these as given: a negative temperature fails at the first rollout (after the compiles), a zero one
-        # at the first loss (the log-probs divide the logits by it), a negative beta trains with the KL penalty turned
-        # into a reward for drifting from the reference.
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r}; use a number > 0: GRPO trains on sampled completions "
-                             "and its log-probs divide the logits by the temperature (1.0 samples the model as it "
-                             "is, lower values closer to greedy)")
-        if not self.beta >= 0:
-            raise ValueError(f"beta={self.beta!r}; use a number >= 0 (the KL penalty's weight; 0: no reference pass)")
         # Unsloth-style configs write top_k=-1 or None for "no top-k"; transformers' generate rejects -1, and
         # both transformers (0 or None) and vLLM >= 0.22 (0 or -1) read 0 as disabled.
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
-        for name, valid, takes in _SAMPLING_CHECKS:
+        for name, valid, takes in _RANGE_CHECKS:
             value = getattr(self, name)
             try:
                 ok = valid(value)

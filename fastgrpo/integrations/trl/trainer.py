@@ -120,8 +120,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         configs = getattr(target, "peft_config", None) or {}
         config = configs.get(getattr(target, "active_adapter", None)) if isinstance(configs, dict) else None
         if config is not None and hasattr(config, "r"):
-            targets = config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules)
-            mismatch = lora_mismatch(resume_from_checkpoint, config.r, config.lora_alpha, targets)
+            mismatch = lora_mismatch(resume_from_checkpoint, config.r, config.lora_alpha, config.target_modules)
             if mismatch:
                 raise UserError(f"resume_from_checkpoint: {Path(resume_from_checkpoint).name} was written with "
                                 f"{mismatch}; resume with its LoraConfig, or train from scratch")
