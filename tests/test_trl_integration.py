@@ -125,11 +125,21 @@ def build_pair(tokenizer, tmp, compile_options, **device_args):
     return stock, ours
 
 
-def check_matches_stock(pair, tokenizer, loss_type, beta, rtol):
+def apply_settings(trainer, settings: dict) -> None:
+    """TRL's loss options on a built trainer: its attribute where `_compute_loss` reads one, else its args."""
+    for key, value in settings.items():
+        setattr(trainer if hasattr(trainer, key) and key != "delta" else trainer.args, key, value)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
+
+
+def check_matches_stock(pair, tokenizer, loss_type, beta, rtol, settings=None):
     """Old-policy and reference log-probs, entropy, loss and every LoRA gradient equal stock TRL's."""
     results = []
+    defaults = dict(importance_sampling_level="token", top_entropy_quantile=1.0, entropy_coef=0.0, delta=None,
+                    off_policy_mask_threshold=None, epsilon_low=0.2, epsilon_high=0.2)
     for trainer in pair:
         trainer.loss_type, trainer.beta = loss_type, beta
+        apply_settings(trainer, {**defaults, **(settings or {})})
         set_params(trainer.model, seed=1, scale=0.3, only_lora=True)  # the policy that sampled: adapters on
         inputs = make_inputs(trainer, tokenizer.eos_token_id)
         set_params(trainer.model, seed=2, scale=0.3, only_lora=True)  # the policy being updated: ratios far from 1
@@ -147,7 +157,8 @@ def check_matches_stock(pair, tokenizer, loss_type, beta, rtol):
         # The reference is the base model (adapters disabled), not the policy.
         assert (ref - inputs["old_per_token_logps"])[mask].abs().max() > 1e-2
     # The case must exercise clipping, or the clipped branch of the loss would go unchecked.
-    assert stock_metrics["clip_ratio/region_mean"][0] > 0
+    clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio/region_mean")
+    assert clipped is None or stock_metrics[clipped][0] > 0
     torch.testing.assert_close(metrics["entropy"], stock_metrics["entropy"], **close)
     torch.testing.assert_close(loss, stock_loss, **close)
     assert grads.keys() == stock_grads.keys() and len(grads) == 2 * 7 * 2
@@ -181,6 +192,23 @@ def peft_pair(tokenizer, tmp_path_factory):
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
 def test_loss_and_lora_grads_match_stock_trl(peft_pair, tokenizer, loss_type, beta):
     check_matches_stock(peft_pair[0], tokenizer, loss_type, beta, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type, settings", [
+    ("cispo", {}),
+    ("sapo", {}),
+    ("vespo", {}),
+    # Sequence-level ratios are means over a row: a narrow clip range makes them clip too.
+    ("luspo", {"importance_sampling_level": "sequence", "epsilon_low": 0.02, "epsilon_high": 0.02}),
+    ("grpo", {"importance_sampling_level": "sequence", "epsilon_low": 0.02, "epsilon_high": 0.02}),  # GSPO
+    ("dapo", {"delta": 1.2, "epsilon_high": 0.28}),  # two-sided clipping, DAPO's clip-higher
+    ("grpo", {"top_entropy_quantile": 0.5}),  # the loss on the high-entropy half of the tokens only
+    ("dapo", {"entropy_coef": 0.05}),  # the entropy bonus: its gradient flows through the op's entropy
+    ("grpo", {"off_policy_mask_threshold": 0.05}),
+], ids=["cispo", "sapo", "vespo", "luspo-sequence", "gspo", "dapo-delta-clip-higher", "top-entropy",
+        "entropy-bonus", "off-policy-mask"])
+def test_other_loss_types_and_options_match_stock_trl(peft_pair, tokenizer, loss_type, settings):
+    check_matches_stock(peft_pair[0], tokenizer, loss_type, 0.04, rtol=1e-5, settings=settings)
 
 
 @pytest.mark.gpu
