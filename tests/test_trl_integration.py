@@ -466,6 +466,13 @@ def test_cli_strings_of_settings_become_their_values(tmp_path):
     assert config.fastgrpo_vllm_kwargs == {"enforce_eager": True}
 
 
+def test_use_liger_kernel_is_turned_off_with_a_warning(tmp_path):
+    # A TRL + Liger config keeps working: Liger's module swaps would hide the sites the backend fuses.
+    with pytest.warns(UserWarning, match="use_liger_kernel=True is turned off.*RMSNorm, RoPE"):
+        config = F.GRPOConfig(**common_args(tmp_path, use_liger_kernel=True))
+    assert config.use_liger_kernel is False
+
+
 def test_auto_find_batch_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="auto_find_batch_size=False"):
         F.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, auto_find_batch_size=True)
