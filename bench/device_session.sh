@@ -95,6 +95,13 @@ run_step() {
       for fused in 0 1 0 1; do
         step "fused_sampling_$fused" 110 "$OURS" python3 bench/bench_generation.py --cases ${FUSED_CASES:-64x256,128x512} --fused-sampling $fused
       done ;;
+    # The whole step with the generator's cache, graphs and joined copies kept between rollouts (0) or freed after
+    # each (1, fastgrpo_generation_release_memory): step time against peak, one process each, alternating twice.
+    release_memory)
+      for release in 0 1 0 1; do
+        step "release_memory_$release" ${TRAIN_CAP:-240} "$OURS" python3 bench/grpo_train_step.py --system fastgrpo \
+          --shape ${TRAIN_SHAPES:-qwen2.5-1.5b} --steps 3 --release-memory $release ${TRAIN_ARGS:-}
+      done ;;
     # The whole GRPO step (trainer.train(): generation, scoring, update) of fastgrpo's trainer and stock TRL's, one
     # process each, for each of TRAIN_SHAPES (bench/_harness.py names) and TRAIN_SYSTEMS (a system named twice runs
     # twice: the second finds the first's compile cache). TRAIN_ARGS are added to every run (e.g. "--steps 1");

@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--embedded-generation", type=int, default=1, help="fastgrpo: 0 samples with model.generate")
     p.add_argument("--merge-lora", default="float", choices=["float", "all", "none"],
                    help="fastgrpo: fastgrpo_generation_merge_lora (LoRA layers the generator decodes merged)")
+    p.add_argument("--release-memory", type=int, default=0,
+                   help="fastgrpo: fastgrpo_generation_release_memory (free the generator's cache after each rollout)")
     p.add_argument("--join-qkv", type=int, default=1,
                    help="fastgrpo: 0 decodes merged q, k and v as three GEMMs (generation.adapters.JOIN_QKV off)")
     p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
@@ -86,6 +88,7 @@ class StepClock:
     def __init__(self, device: str):
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         self.generation, self.scoring, self.steps, self.peaks = [], [], [], []
+        self.generation_peaks = []  # the step's peak up to the end of its rollouts
 
     def wrap(self, trainer):
         """Time TRL's generation and its generate-and-score method (which contains it) in every step."""
@@ -98,6 +101,8 @@ class StepClock:
                 out = method(*args, **kwargs)
                 clock.sync()
                 setattr(clock, total, getattr(clock, total) + time.perf_counter() - start)
+                if total == "_generation" and torch.cuda.is_available():
+                    clock._generation_peak = torch.cuda.max_memory_allocated() / 2**30
                 return out
 
             return call
@@ -119,7 +124,7 @@ class StepClock:
                 clock.sync()
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
-                clock._generation = clock._scored = 0.0
+                clock._generation = clock._scored = clock._generation_peak = 0.0
                 if profiler is not None and not clock.steps:
                     profiler.enable()
                 clock._start = time.perf_counter()
@@ -130,6 +135,7 @@ class StepClock:
                 clock.generation.append(clock._generation)
                 clock.scoring.append(clock._scored - clock._generation)
                 clock.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
+                clock.generation_peaks.append(clock._generation_peak)
                 if profiler is not None and len(clock.steps) == 1:
                     profiler.disable()
                     profiler.dump_stats(profile_path)
@@ -172,7 +178,8 @@ def run(args) -> dict:
 
         adapters.JOIN_QKV = bool(args.join_qkv)
         config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation),
-                            fastgrpo_generation_merge_lora=args.merge_lora)
+                            fastgrpo_generation_merge_lora=args.merge_lora,
+                            fastgrpo_generation_release_memory=bool(args.release_memory))
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -199,10 +206,12 @@ def run(args) -> dict:
         beta=trainer.args.beta,
         merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
         join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
+        release_memory=bool(args.release_memory) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),
         peak_gib=max(clock.peaks[timed], default=float("nan")), first_step_s=clock.steps[0],
+        generation_peak_gib=max(clock.generation_peaks[timed], default=float("nan")),
         each_step_s=[round(t, 3) for t in clock.steps], each_generation_s=[round(t, 3) for t in clock.generation],
         each_scoring_s=[round(t, 3) for t in clock.scoring],
         first_generation_s=clock.generation[0], first_scoring_s=clock.scoring[0],

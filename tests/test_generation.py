@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from fastgrpo.integrations.generation import EmbeddedGenerator, GenerationFallbackWarning, sample_next_token
-from fastgrpo.integrations.generation.kv import RolloutCache
+from fastgrpo.integrations.generation.kv import RolloutCache, has_layer_cache
 
 VOCAB, PAD, EOS = 256, 0, 2
 PROMPT_LENGTHS = (5, 11, 3, 8)
@@ -300,6 +300,23 @@ def test_cache_is_reused_and_grown_only_when_needed():
     assert attention._fastgrpo_kv[0].shape[2] == 3 * max(PROMPT_LENGTHS) + 8
 
 
+def test_release_memory_frees_the_cache_between_calls_and_compiles_nothing_again():
+    torch._dynamo.reset()
+    model = with_lora(tiny_lm("qwen2"))
+    expected = hf_greedy(model, prompts(), 8, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8, compile=True, compile_backend="eager",
+                                  release_memory=True)
+    for _ in range(3):
+        assert generator.generate(prompts(), temperature=0) == expected
+        assert not any(has_layer_cache(m) for m in model.modules())
+        assert generator.engine._buffers is None and generator.engine._merged.copies == []
+    assert generator.fallback is None and generator.engine.backend.compiles == 1
+    assert generator.lora_decoding["merged"] == 14
+    kept = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
+    assert kept.generate(prompts(), temperature=0) == expected
+    assert any(has_layer_cache(m) for m in model.modules()) and len(kept.engine._merged.copies) == 2  # joined q/k/v
+
+
 def test_a_callers_autocast_is_turned_off():
     """Under autocast RoPE upcasts keys but not values; generation runs in the weights' dtype instead."""
     model = tiny_lm("llama")
@@ -585,6 +602,11 @@ def test_cuda_graph_decode_matches_model_generate(arch, monkeypatch):
         assert generator.generate(batch, temperature=0) == expected
         assert generator.generate(batch, temperature=0) == expected  # graph replay
         assert generator.generate(batch, temperature=1.0, top_k=1) == expected
+        allocated_before = torch.cuda.memory_allocated()
+        released = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=40, release_memory=True)
+        for _ in range(2):  # graphs captured again over a new cache, no compile
+            assert released.generate(batch, temperature=0) == expected
+        assert released.engine.backend.compiles <= 1 and torch.cuda.memory_allocated() < allocated_before + 2**23
         stopping_batch = [prompts()[0]] * 12 + prompts()[1:]  # 12 rows end early, 3 run on
         eos = hf_greedy(model, stopping_batch, 40, eos=VOCAB + 1)[0][3]
         early = hf_greedy(model, stopping_batch, 40, eos=eos)

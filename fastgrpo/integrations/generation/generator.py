@@ -78,6 +78,9 @@ class EmbeddedGenerator:
             base merged, quantized ones into a bf16 copy held while the generator lives), "none" (the adapters' own
             forward). `lora_decoding` says which layers decoded how. See `MergedAdapters`.
         compile_sampling: compile the decode step's sampling as well; default: when the layers compile.
+        release_memory: after each call free what the engine holds between calls (the KV cache, the CUDA graphs
+            and their pool, the joined q/k/v copies), as vLLM's sleep mode frees its cache while the trainer
+            updates. The next call allocates them again and captures its graphs again (nothing recompiles).
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class EmbeddedGenerator:
         min_batch: int = 8,
         merge_lora: str = "float",
         compile_sampling: bool | None = None,
+        release_memory: bool = False,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -115,6 +119,7 @@ class EmbeddedGenerator:
         self._merge_lora = check_merge_mode(merge_lora)  # a bad mode fails here, not at the first generate
         self._unmerged_reported = False
         self._compile_sampling = compile_sampling
+        self._release_memory = bool(release_memory)
         self.engine: RolloutEngine | None = None
         self.fallback: str | None = None  # None: the engine runs; "eager": uncompiled layers; "generate"
 
@@ -196,6 +201,8 @@ class EmbeddedGenerator:
             try:
                 completion, logprobs = self.engine.generate(decoder, prompts, sampling)
                 self._report_unmerged(decoder)
+                if self._release_memory:
+                    self.engine.release()  # the results are views of buffers that live as long as they do
             except (torch.OutOfMemoryError, MergeNotUndone):  # not a model the engine cannot run: the caller's to see
                 raise
             except Exception as error:  # noqa: BLE001 - every failure is named in the warning

@@ -146,6 +146,14 @@ class GRPOConfig(TRLGRPOConfig):
             "forward, in the base's dtype)."
         },
     )
+    fastgrpo_generation_release_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "After each rollout free the embedded generator's KV cache, CUDA graphs and joined q/k/v copies, "
+            "so that the update can use that memory (as vLLM's sleep mode frees its cache); the next rollout "
+            "allocates them again and captures its graphs again (nothing recompiles)."
+        },
+    )
     fastgrpo_mini_batch: int | str | None = field(
         default="auto",
         metadata={
@@ -229,7 +237,8 @@ class GRPOConfig(TRLGRPOConfig):
                 ok = False
             if not ok:
                 raise ValueError(f"{name}={value!r}; use {takes}")
-        for name in ("fastgrpo_compile", "fastgrpo_freeze_gc", "fastgrpo_embedded_generation", "fastgrpo_shared_prompt"):
+        for name in ("fastgrpo_compile", "fastgrpo_freeze_gc", "fastgrpo_embedded_generation", "fastgrpo_shared_prompt",
+                     "fastgrpo_generation_release_memory"):
             setattr(self, name, _bool(name, getattr(self, name)))
         rank = self.fastgrpo_vllm_max_lora_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):

@@ -156,6 +156,7 @@ class GRPOTrainer(TRLGRPOTrainer):
                 eos_token_ids=self.eos_token_ids,
                 max_new_tokens=self.max_completion_length,
                 merge_lora=self.args.fastgrpo_generation_merge_lora,
+                release_memory=self.args.fastgrpo_generation_release_memory,
             )
         # TRL's sampler already repeats each prompt num_generations times in prompt_ids. The sampler's log-probs go
         # back to TRL as vLLM's do (`sampling_per_token_logps`), for the agreement metric and off-policy masking.
