@@ -107,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"fastgrpo {argv[0]}: stopped (Ctrl-C)", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError as error:  # a fault of the size asked for, not a bug: the fixes, no traceback
+        if debug:
+            raise
+        print(f"fastgrpo {argv[0]}: error: out of memory ({str(error).splitlines()[0] if str(error) else ''})",
+              file=sys.stderr)
+        for note in getattr(error, "__notes__", []):
+            print("  " + " ".join(note.split()), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -197,6 +197,23 @@ def test_unexpected_errors_keep_their_traceback_and_ctrl_c_exits_130(monkeypatch
     assert capsys.readouterr().err.strip() == "fastgrpo report: stopped (Ctrl-C)"
 
 
+def test_out_of_memory_is_a_message_with_its_notes_not_a_traceback(monkeypatch, capsys):
+    from fastgrpo import cli
+
+    def out_of_memory(argv):
+        error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB\nmore details")
+        error.add_note("fastgrpo: the step did not fit in memory (...). Change one of: ...")
+        raise error
+
+    monkeypatch.setattr(cli, "report", out_of_memory)
+    assert main(["report"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["fastgrpo report: error: out of memory (CUDA out of memory. Tried to allocate 4.00 GiB)",
+                   "  fastgrpo: the step did not fit in memory (...). Change one of: ..."]
+    with pytest.raises(torch.OutOfMemoryError):
+        main(["report", "--debug"])
+
+
 def test_the_command_checks_versions_once_at_start(monkeypatch):
     from fastgrpo import cli
 

@@ -317,6 +317,51 @@ def test_release_memory_frees_the_cache_between_calls_and_compiles_nothing_again
     assert any(has_layer_cache(m) for m in model.modules()) and len(kept.engine._merged.copies) == 2  # joined q/k/v
 
 
+def test_rows_that_do_not_fit_decode_in_waves_after_one_warning(monkeypatch):
+    """An out-of-memory error in the engine: the generator frees the engine and decodes in waves of half the rows,
+    halving again while they do not fit; the tokens and log-probs are those of one call over all rows."""
+    from fastgrpo.integrations.generation.engine import RolloutEngine
+
+    model = tiny_lm("llama")
+    batch = prompts() + prompts(seed=1)
+    expected_ids, expected_logprobs = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=6).generate(
+        batch, temperature=0.7, top_k=1, return_logprobs=True)
+    fits = RolloutEngine.generate
+    calls = []
+
+    def at_most_three_rows(self, decoder, prompts_, sampling):
+        calls.append(len(prompts_))
+        if len(prompts_) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fits(self, decoder, prompts_, sampling)
+
+    monkeypatch.setattr(RolloutEngine, "generate", at_most_three_rows)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=6)
+    with pytest.warns(GenerationFallbackWarning, match="rollouts of 8 rows do not fit.*waves of at most 4 rows"
+                      ".*max_completion_length") as caught:
+        ids, logprobs = generator.generate(batch, temperature=0.7, top_k=1, return_logprobs=True)
+    assert len(caught) == 1 and generator.wave_rows == 2 and calls == [8, 4, 2, 2, 2, 2]
+    assert ids == expected_ids
+    for got, want in zip(logprobs, expected_logprobs):
+        assert got == pytest.approx(want, abs=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        assert generator.generate(batch, temperature=0) == hf_greedy(model, batch, 6, eos=VOCAB + 1)
+
+
+def test_one_row_that_does_not_fit_raises_naming_the_fixes(monkeypatch):
+    from fastgrpo.integrations.generation.engine import RolloutEngine
+
+    def never_fits(self, decoder, prompts_, sampling):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(RolloutEngine, "generate", never_fits)
+    generator = EmbeddedGenerator(tiny_lm("llama"), PAD, [VOCAB + 1], max_new_tokens=6)
+    with pytest.raises(torch.OutOfMemoryError) as raised, pytest.warns(GenerationFallbackWarning):
+        generator.generate(prompts()[:2], temperature=0)
+    assert "one row of 6 new tokens does not fit" in "".join(raised.value.__notes__)
+
+
 def test_a_callers_autocast_is_turned_off():
     """Under autocast RoPE upcasts keys but not values; generation runs in the weights' dtype instead."""
     model = tiny_lm("llama")

@@ -107,6 +107,29 @@ def assert_equal_weights(expected, resumed):
         assert torch.equal(expected[name], resumed[name]), name
 
 
+def test_out_of_memory_names_the_settings_and_the_resume_command(model_dir, tmp_path, monkeypatch, capsys):
+    from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
+
+    from fastgrpo.cli import main
+
+    real, calls = StockGRPOTrainer.training_step, []
+
+    def second_step_does_not_fit(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StockGRPOTrainer, "training_step", second_step_does_not_fit)
+    out = tmp_path / "run"
+    assert main(["train", *job_argv(model_dir, out, "--no-compile")]) == 1
+    err = capsys.readouterr().err
+    assert "fastgrpo train: error: out of memory (CUDA out of memory. Tried to allocate 9.00 GiB)" in err
+    assert "max_completion_length=6" in err and "fastgrpo_mini_batch" in err
+    assert f"--resume continues from the newest checkpoint in {out}" in err and "Traceback" not in err
+    assert (out / "checkpoint-1").is_dir()
+
+
 def test_resume_continues_and_matches_an_uninterrupted_run(model_dir, three_steps, tmp_path):
     """2 steps, then --resume to 3, gives bit-identical adapter weights to 3 steps in one go.
 

@@ -486,6 +486,22 @@ def test_too_few_prompts_for_one_step_is_refused_with_the_fix(tokenizer, tmp_pat
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
 
 
+def test_an_out_of_memory_step_notes_the_settings_to_change(tokenizer, tmp_path, monkeypatch):
+    trainer = F.GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=low_id_fraction,
+                            args=F.GRPOConfig(**common_args(tmp_path, bf16=False)), processing_class=tokenizer,
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
+
+    def out_of_memory(self, model, inputs, num_items_in_batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(StockGRPOTrainer, "training_step", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as raised:
+        trainer.training_step(trainer.model, {}, None)
+    note = "".join(raised.value.__notes__)
+    assert "per_device_train_batch_size=8" in note and "max_completion_length=6" in note
+    assert "fastgrpo_mini_batch='auto'" in note and "QLoRA" in note
+
+
 def test_resuming_a_checkpoint_of_another_lora_is_refused_naming_it(tokenizer, tmp_path):
     checkpoint = tmp_path / "checkpoint-3"
     checkpoint.mkdir()

@@ -14,7 +14,8 @@ tokenizer), train_log.jsonl (one line per logged step), reward_curve.png.
 Faults: a checkpoint directory appears only once complete; --resume takes the newest checkpoint that loads (a
 damaged one is skipped with a warning naming the file). Ctrl-C saves a checkpoint at the end of the step under
 way, prints the command that resumes and exits with status 130; a second Ctrl-C stops at once. An --output-dir
-that holds an earlier run is refused without --resume (a new run would rotate its checkpoints away).
+that holds an earlier run is refused without --resume (a new run would rotate its checkpoints away). Running out of
+accelerator memory is a short message naming the settings to change and how to resume, exit status 1.
 """
 from __future__ import annotations
 
@@ -477,7 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.remove_callback(PrinterCallback)  # the job's own bar and step lines replace its raw dicts
     with interrupt:
-        trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from)
+        except torch.OutOfMemoryError as error:
+            if any(output_dir.glob("checkpoint-*")):
+                error.add_note(f"With the setting changed, --resume continues from the newest checkpoint in "
+                               f"{output_dir}: {_resume_command(argv)} ...")
+            raise
     if interrupt.stopped:
         if trainer.is_world_process_zero():
             saved = output_dir / f"checkpoint-{trainer.state.global_step}"

@@ -6,7 +6,10 @@ weight sync. The work is done by `RolloutEngine` (engine.py). What it cannot run
 - a compile that fails or keeps recompiling: one warning naming the model class and the reason, then the same
   engine with the decoder layers uncompiled for the rest of the run;
 - a model the engine cannot decode (its attention does not go through transformers' AttentionInterface, a cache
-  of another kind, ...): one warning, then `model.generate` for the rest of the run.
+  of another kind, ...): one warning, then `model.generate` for the rest of the run;
+- rows that do not fit the accelerator's memory (its KV cache, its graphs): one warning, then the engine decodes in
+  waves of half as many rows, halved again until a wave fits, for the rest of the run. A single row that does not
+  fit raises the out-of-memory error, with a note naming the fixes.
 """
 from __future__ import annotations
 
@@ -24,7 +27,13 @@ from fastgrpo.integrations.unwrap import causal_lm_of
 
 
 class GenerationFallbackWarning(UserWarning):
-    """The rollout engine could not run (compiled, or at all) for this model; the warning says why and what runs."""
+    """The rollout engine could not run (compiled, at all, or all rows at once) for this model; the warning says why
+    and what runs."""
+
+
+# What a rollout that does not fit can change (the trainer's fields in parentheses).
+_MEMORY_FIXES = ("fewer rows per call (TRL: generation_batch_size, or per_device_train_batch_size x "
+                 "steps_per_generation), fewer new tokens (max_completion_length), or a 4-bit base (QLoRA)")
 
 
 def unwrap_for_generation(model: nn.Module) -> nn.Module:
@@ -122,6 +131,7 @@ class EmbeddedGenerator:
         self._release_memory = bool(release_memory)
         self.engine: RolloutEngine | None = None
         self.fallback: str | None = None  # None: the engine runs; "eager": uncompiled layers; "generate"
+        self.wave_rows: int | None = None  # rows per engine call after an out-of-memory; None: all rows at once
 
     @property
     def device(self) -> torch.device:
@@ -199,11 +209,13 @@ class EmbeddedGenerator:
                 self.engine = self._new_engine(compiled=self._compile if self._compile is not None
                                                else self.device.type == "cuda")
             try:
-                completion, logprobs = self.engine.generate(decoder, prompts, sampling)
+                waves = self._engine_waves(decoder, prompts, sampling)
                 self._report_unmerged(decoder)
-                if self._release_memory:
-                    self.engine.release()  # the results are views of buffers that live as long as they do
-            except (torch.OutOfMemoryError, MergeNotUndone):  # not a model the engine cannot run: the caller's to see
+            except torch.OutOfMemoryError as error:
+                self._shrink_waves(len(prompts), error)
+                return self.generate(prompt_ids, temperature, top_p, top_k, min_p, repetition_penalty,
+                                     num_generations, return_logprobs)
+            except MergeNotUndone:  # not a model the engine cannot run: the caller's to see
                 raise
             except Exception as error:  # noqa: BLE001 - every failure is named in the warning
                 compiled = self.engine.backend is not None
@@ -211,14 +223,53 @@ class EmbeddedGenerator:
                 return self.generate(prompt_ids, temperature, top_p, top_k, min_p, repetition_penalty,
                                      num_generations, return_logprobs)
         else:
-            completion, logprobs = self._hf_generate(decoder, prompts, sampling)
-        ids = truncate_after_eos(completion, self.eos_token_ids)
+            waves = [self._hf_generate(decoder, prompts, sampling)]
+        ids, logprobs = [], []
+        for completion, wave_logprobs in waves:
+            rows = truncate_after_eos(completion, self.eos_token_ids)
+            ids += rows
+            if return_logprobs and wave_logprobs is not None:
+                wave_logprobs = wave_logprobs.cpu()
+                logprobs += [wave_logprobs[row, : len(tokens)].tolist() for row, tokens in enumerate(rows)]
         if not return_logprobs:
             return ids
-        if logprobs is None:
-            return ids, None
-        logprobs = logprobs.cpu()
-        return ids, [logprobs[row, : len(tokens)].tolist() for row, tokens in enumerate(ids)]
+        return ids, (logprobs if waves[0][1] is not None else None)
+
+    def _engine_waves(self, decoder: nn.Module, prompts: list[list[int]], sampling: Sampling
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The engine's (completions, log-probs) for `prompts`, in consecutive waves of at most `wave_rows` rows."""
+        wave = self.wave_rows or len(prompts)
+        waves = []
+        for first in range(0, len(prompts), wave):
+            completion, logprobs = self.engine.generate(decoder, prompts[first:first + wave], sampling)
+            if len(prompts) > wave:  # the next wave writes the same buffers
+                completion, logprobs = completion.clone(), logprobs.clone()
+            waves.append((completion, logprobs))
+        if self._release_memory:
+            self.engine.release()  # the results are views of buffers that live as long as they do
+        return waves
+
+    def _shrink_waves(self, rows: int, error: torch.OutOfMemoryError) -> None:
+        """After `error` in a call of `rows` rows: free what the engine holds and decode in waves of half the rows
+        from now on (one warning); a wave of one row that does not fit re-raises, noting the fixes."""
+        wave = min(rows, self.wave_rows or rows)
+        self.engine.release()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if wave <= 1:
+            error.add_note(f"fastgrpo: one row of {self.max_new_tokens} new tokens does not fit in memory; "
+                           f"use {_MEMORY_FIXES}.")
+            raise error
+        first = self.wave_rows is None
+        self.wave_rows = wave // 2
+        if first:
+            warnings.warn(
+                f"fastgrpo: rollouts of {wave} rows do not fit in the accelerator's memory; the rollout engine decodes "
+                f"in waves of at most {self.wave_rows} rows from now on, halved again while they do not fit (each wave "
+                f"reads the weights once a token: slower). To decode all rows at once: {_MEMORY_FIXES}.",
+                GenerationFallbackWarning,
+                stacklevel=4,
+            )
 
     def _report_unmerged(self, decoder: nn.Module) -> None:
         """One warning naming the LoRA layers that decode through the adapters' own forward, and why."""

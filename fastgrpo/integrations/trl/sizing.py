@@ -1,9 +1,8 @@
-"""The trainer's "auto" sizes: rows per forward pass and tokens per log-prob call, from free accelerator memory."""
+"""The trainer's "auto" sizes: rows per forward pass and tokens per log-prob call, from free accelerator memory; and
+what to change when a step does not fit."""
 from __future__ import annotations
 
-
 import torch
-
 
 
 # Fraction of the free accelerator memory the "auto" sizes may plan to use. The rest is left to
@@ -63,3 +62,17 @@ def auto_logprob_chunk(hidden_size: int, itemsize: int, device: torch.device) ->
     if free is None:
         return CPU_LOGPROB_CHUNK
     return max(MIN_LOGPROB_CHUNK, int(free * AUTO_MEMORY_FRACTION) // (3 * hidden_size * itemsize))
+
+
+def out_of_memory_note(args) -> str:
+    """The note an out-of-memory error of a training step gets: the settings that size the step and what to change."""
+    checkpointing = "" if args.gradient_checkpointing else "gradient_checkpointing=True (off now), "
+    return (
+        f"fastgrpo: the step did not fit in memory (per_device_train_batch_size={args.per_device_train_batch_size}, "
+        f"num_generations={args.num_generations}, max_completion_length={args.max_completion_length}, "
+        f"fastgrpo_mini_batch={args.fastgrpo_mini_batch!r}). Change one of: {checkpointing}fastgrpo_mini_batch to a "
+        "few rows (rows per log-prob forward), a shorter max_completion_length, fewer rows per step "
+        "(per_device_train_batch_size, with more gradient_accumulation_steps for the same batch), "
+        "fastgrpo_generation_release_memory=True (the rollouts' cache freed for the update), or a 4-bit base (QLoRA). "
+        "Checkpoints written so far are kept."
+    )

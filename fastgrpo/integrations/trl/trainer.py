@@ -30,7 +30,7 @@ from fastgrpo.integrations.trl.hooks import (
     keep_one_input_require_grads_hook,
 )
 from fastgrpo.integrations.trl.logprob_head import CompiledBackbone, LogprobHead
-from fastgrpo.integrations.trl.sizing import auto_mini_batch
+from fastgrpo.integrations.trl.sizing import auto_mini_batch, out_of_memory_note
 from fastgrpo.integrations.trl.vllm_swap import shared_vllm_generation
 
 
@@ -166,6 +166,13 @@ class GRPOTrainer(TRLGRPOTrainer):
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty, return_logprobs=True,
             )
         return completion_ids, logprobs
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as error:
+            error.add_note(out_of_memory_note(self.args))
+            raise
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
