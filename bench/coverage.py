@@ -487,6 +487,9 @@ def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = Fals
                 result |= flagged
                 result["status"] = _status(result)
                 result["capture_flags"] = {"flags": sorted(CAPTURE_FLAGS), "without": without}
+        stage = "rollouts"
+        torch._dynamo.reset()
+        result |= measure_rollouts(tiny_causal_lm(arch, attempt=attempt))
     except _Timeout:
         result |= {"status": "error", "reason": f"{stage}: timed out after {timeout} s"}
     except Exception as err:  # noqa: BLE001 - the sweep records every failure and goes on
@@ -499,6 +502,78 @@ def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = Fals
         torch._dynamo.reset()
         gc.collect()
     return result
+
+
+ROLLOUT_STATUSES = {
+    "engine": "the rollout engine's compiled decode step gives model.generate's greedy tokens, compiling in its first "
+              "decode step only and not again in a second call",
+    "uncompiled layers": "the decode layer did not compile: the engine decodes with uncompiled layers, same tokens "
+                         "(one warning with the reason)",
+    "model.generate": "the engine cannot run the model: model.generate samples, without per-token log-probs "
+                      "(one warning with the reason)",
+    "recompiles": "the engine gives model.generate's tokens, but its decode layer compiled after the first decode "
+                  "step or again in the second call",
+    "differs": "the generator's tokens differ from model.generate's",
+    "error": "the generator raised",
+    "not run": "transformers' own generate fails on the tiny model",
+}
+
+
+def _hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int) -> list[list[int]]:
+    """model.generate's greedy completions of the left-padded batch, each cut after its first EOS."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+
+
+def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
+    """The embedded generator on a tiny model (its weights scaled up in place: peaked logits, so greedy tokens vary
+    and ties are unlikely), decode layer compiled with Dynamo's guard-only backend, against model.generate's greedy
+    tokens; two calls. {"rollout": a ROLLOUT_STATUSES key, "rollout_reason": the fallback warning or error, and for
+    "engine" the decode steps it compiled in and the compiles of the second call}."""
+    from fastgrpo.integrations.generation import EmbeddedGenerator, GenerationFallbackWarning
+
+    model.eval()
+    vocab = model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    eos = vocab + 5  # never sampled: every row runs the full length
+    try:
+        expected = _hf_greedy(model, prompts, new_tokens, pad=0, eos=eos)
+    except Exception as err:  # noqa: BLE001
+        return {"rollout": "not run", "rollout_reason": _one_line(err)}
+    generator = EmbeddedGenerator(model, 0, [eos], max_new_tokens=new_tokens, compile=True, compile_backend="eager")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = generator.generate(prompts, temperature=0)
+            backend = generator.engine.backend if generator.engine is not None else None
+            compiles = backend.compiles if backend is not None else 0
+            second = generator.generate(prompts, temperature=0)
+    except Exception as err:  # noqa: BLE001
+        return {"rollout": "error", "rollout_reason": _one_line(err)}
+    notes = [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+    result = {"rollout_warnings": notes}
+    if first != expected or second != expected:
+        return result | {"rollout": "differs"}
+    if generator.fallback is not None:
+        status = "uncompiled layers" if generator.fallback == "eager" else "model.generate"
+        return result | {"rollout": status, "rollout_reason": notes[0] if notes else None}
+    steps, again = sorted(set(backend.compile_steps)), backend.compiles - compiles
+    status = "engine" if set(steps) <= {1} and again == 0 else "recompiles"
+    reason = None if status == "engine" else f"compiled in decode steps {steps}, {again} compile(s) in the second call"
+    return result | {"rollout": status, "rollout_reason": reason, "rollout_compile_steps": steps,
+                     "rollout_recompiles": again}
 
 
 def _one_line(err: Exception) -> str:
@@ -619,6 +694,34 @@ def _notes(result: dict) -> str:
     return "; ".join(notes).replace("|", "\\|").replace("\n", " ")
 
 
+def _rollout_section(results: list[dict]) -> list[str]:
+    """Markdown lines: how the embedded generator ran each measured model (status counts, then every model it did
+    not run compiled, with the reason)."""
+    rows = [r for r in results if "rollout" in r]
+    if not rows:
+        return []
+    lines = [
+        "## Rollouts",
+        "",
+        f"Every model built above ({len(rows)}, out-of-scope ones included) also samples 8 greedy tokens for 3 "
+        "left-padded prompts with fastgrpo's embedded generator (its decode layer compiled with Dynamo's guard-only "
+        "backend, `compile_backend=\"eager\"`), twice, against `model.generate`.",
+        "",
+        "| rollouts | count | meaning |",
+        "|---|---|---|",
+        *[f"| {status} | {sum(r['rollout'] == status for r in rows)} | {meaning} |"
+          for status, meaning in ROLLOUT_STATUSES.items()],
+        "",
+    ]
+    others = sorted((r for r in rows if r["rollout"] != "engine"), key=lambda r: (r["rollout"], r["arch"]))
+    if others:
+        lines += ["| arch | rollouts | reason |", "|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['rollout']} | "
+                  f"{(r.get('rollout_reason') or '').replace('|', '/').replace(chr(10), ' ')} |" for r in others]
+        lines.append("")
+    return lines
+
+
 def write_markdown(results: list[dict], path: Path, meta: dict) -> None:
     """docs/SUPPORT.md from the rows and the JSON's meta (date, versions, inner, lora, seq_len, rows updated since)."""
     inner, lora, seq_len = meta["inner"], meta["lora"], meta["seq_len"]
@@ -663,16 +766,17 @@ def write_markdown(results: list[dict], path: Path, meta: dict) -> None:
         f"| skipped | {len(by_status.get('skipped', []))} | encoder-decoder, or cannot be built tiny (reason below) |",
         f"| error | {len(by_status.get('error', []))} | the compiled run failed (reason below) |",
         "",
+        *_rollout_section(results),
         "## Measured architectures",
         "",
-        "| arch | status | RMSNorm | RoPE | gated MLP | lm-head | graph breaks | equal | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arch | status | RMSNorm | RoPE | gated MLP | lm-head | graph breaks | equal | rollouts | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(measured, key=lambda r: (list(STATUSES).index(r["status"]), r["arch"])):
         lines.append(
             f"| {r['arch']} | {_status_cell(r)} | {_cell(r, 'rms_norm')} | {_cell(r, 'rope')} | {_cell(r, 'gated_mlp')} | "
             f"{_cell(r, 'selective_logprob')} | {sum(r['graph_breaks'].values())} | {'yes' if r['equal'] else 'NO'} | "
-            f"{_notes(r)} |"
+            f"{r.get('rollout', '-')} | {_notes(r)} |"
         )
     lines += ["", "## Out of scope (no RMSNorm, RoPE or gated MLP)", ""]
     lines.append(", ".join(r["arch"] for r in by_status.get("out of scope", [])) or "-")
@@ -748,9 +852,12 @@ def _print(r: dict) -> None:
     if r["status"] in ("full", "explained", "incomplete", "mismatch"):
         cells = " ".join(f"{p}={_cell(r, p)}" for p in PATTERNS)
         print(f"{r['arch']:26s} {_status_cell(r):8s} {cells} breaks={sum(r['graph_breaks'].values())} "
-              f"equal={r['equal']} {r['seconds']}s  {_notes(r)}", flush=True)
+              f"equal={r['equal']} rollouts={r.get('rollout')} {r['seconds']}s  {_notes(r)}", flush=True)
     else:
-        print(f"{r['arch']:26s} {r['status']:8s} {r.get('reason', '')} {r['seconds']}s", flush=True)
+        print(f"{r['arch']:26s} {r['status']:8s} {r.get('reason', '')} rollouts={r.get('rollout')} {r['seconds']}s",
+              flush=True)
+    if r.get("rollout_reason"):
+        print(f"{'':26s} rollouts: {r['rollout_reason']}", flush=True)
 
 
 if __name__ == "__main__":
