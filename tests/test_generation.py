@@ -135,7 +135,7 @@ def test_the_prefill_runs_each_distinct_prompt_once():
     generator.generate(batch, temperature=0, num_generations=4)  # the first call also checks itself
     widths = []
     hook = model.model.register_forward_hook(lambda module, args, kwargs, out: widths.append(
-        kwargs["inputs_embeds"].shape[:2]), with_kwargs=True)
+        kwargs["input_ids"].shape), with_kwargs=True)
     greedy = generator.generate(batch, temperature=0, num_generations=4)
     torch.manual_seed(0)
     sampled = generator.generate(batch, temperature=1.0, num_generations=4)
@@ -360,6 +360,24 @@ def test_one_row_that_does_not_fit_raises_naming_the_fixes(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError) as raised, pytest.warns(GenerationFallbackWarning):
         generator.generate(prompts()[:2], temperature=0)
     assert "one row of 6 new tokens does not fit" in "".join(raised.value.__notes__)
+
+
+def test_an_fp32_lm_head_tied_to_the_embeddings_decodes_with_its_cast_hook():
+    """TRL's cast_lm_head_to_fp32 on tied embeddings: the shared weight becomes fp32 and a forward hook casts the
+    embeddings back to the model's dtype. The engine keeps that hook (and takes off the require-grads one)."""
+    model = tiny_lm("llama").to(torch.bfloat16)
+    lm_head = model.lm_head.float()  # tied: the embedding's weight is now fp32 too
+    lm_head.forward = lambda hidden: torch.nn.functional.linear(hidden.float(), lm_head.weight)
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
+    model.enable_input_require_grads()
+    hooks = list(model.model.embed_tokens._forward_hooks.values())
+    expected = hf_greedy(model, prompts(), 8, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8, compile=True, compile_backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        got = generator.generate(prompts(), temperature=0)
+    assert [row[:4] for row in got] == [row[:4] for row in expected]  # bf16: later tokens may round apart
+    assert list(model.model.embed_tokens._forward_hooks.values()) == hooks
 
 
 def test_a_callers_autocast_is_turned_off():

@@ -54,15 +54,37 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
 
 
 def embed_and_forward(decoder: nn.Module, input_ids: torch.Tensor, **kwargs):
-    """Call the decoder eagerly even when `decoder.compile()` gave it a compiled (training) call path.
-
-    The tokens are embedded here with the embedding's own forward, skipping its hooks: those are for training
-    (PEFT's and TRL's `enable_input_require_grads` under gradient checkpointing calls `requires_grad_`, which a
-    traced decode step cannot hold and no-grad sampling does not need)."""
-    kwargs["inputs_embeds"] = decoder.get_input_embeddings().forward(input_ids)
+    """The decoder's forward on `input_ids`, called eagerly even when `decoder.compile()` gave it a compiled
+    (training) call path. The ids themselves go in, as `generate` passes them: a multimodal wrapper finds its
+    placeholder tokens and a model with per-layer token inputs its rows from them."""
+    kwargs["input_ids"] = input_ids
     if getattr(decoder, "_compiled_call_impl", None) is not None:
         return decoder._call_impl(**kwargs)
     return decoder(**kwargs)
+
+
+# Names of the forward hooks `enable_input_require_grads` puts on the input embeddings (transformers; PEFT and TRL).
+_REQUIRE_GRADS_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+
+
+@contextlib.contextmanager
+def _require_grads_hooks_off(decoder: nn.Module):
+    """The input embeddings' `enable_input_require_grads` hooks taken off for the block and put back in their place.
+    They are for training under gradient checkpointing (`requires_grad_` on the embeddings' output), which no-grad
+    sampling does not need and a traced decode step cannot hold; the embeddings' other hooks run (TRL's cast of a
+    tied fp32 lm-head's embeddings back to the model's dtype)."""
+    embeddings = decoder.get_input_embeddings()
+    hooks = getattr(embeddings, "_forward_hooks", None)
+    saved = dict(hooks) if hooks else {}
+    try:
+        for key, hook in saved.items():
+            if getattr(hook, "__name__", None) in _REQUIRE_GRADS_HOOKS:
+                del hooks[key]
+        yield
+    finally:
+        if saved:
+            hooks.clear()
+            hooks.update(saved)
 
 
 
@@ -232,7 +254,7 @@ class RolloutEngine:
         try:
             for config in configs.values():
                 config._attn_implementation = ATTN_IMPLEMENTATION
-            with self._merged.swapped(decoder), self._adapters.swapped(decoder), \
+            with self._merged.swapped(decoder), self._adapters.swapped(decoder), _require_grads_hooks_off(decoder), \
                     torch.autocast(decoder.device.type, enabled=False), rollout_context(state):
                 weights = (self._merged.version, self._adapters.version)
                 if self._buffers is not None and self._buffers.weights != weights:
