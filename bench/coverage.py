@@ -519,7 +519,7 @@ ROLLOUT_STATUSES = {
 }
 
 
-def _hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int) -> list[list[int]]:
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int) -> list[list[int]]:
     """model.generate's greedy completions of the left-padded batch, each cut after its first EOS."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad)
@@ -527,8 +527,9 @@ def _hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: 
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                         eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                         max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 
@@ -549,7 +550,7 @@ def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
     eos = vocab + 5  # never sampled: every row runs the full length
     try:
-        expected = _hf_greedy(model, prompts, new_tokens, pad=0, eos=eos)
+        expected = hf_greedy(model, prompts, new_tokens, pad=0, eos=eos)
     except Exception as err:  # noqa: BLE001
         return {"rollout": "not run", "rollout_reason": _one_line(err)}
     generator = EmbeddedGenerator(model, 0, [eos], max_new_tokens=new_tokens, compile=True, compile_backend="eager")

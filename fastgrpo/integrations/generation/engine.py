@@ -38,6 +38,7 @@ from fastgrpo.integrations.generation.kv import (
     release_caches,
     rollout_context,
 )
+from fastgrpo.integrations.generation.recurrent import has_states, own_states, recurrent_mixers
 from fastgrpo.integrations.generation.sampling import Sampling, sample
 
 
@@ -204,6 +205,7 @@ class RolloutEngine:
         self._adapters = CompactAdapters()
         self._merged = MergedAdapters(merge_lora)
         self._cache = RolloutCache()
+        self._states: list = []  # the linear-attention / state-space mixers' LayerStates of this call (recurrent.py)
         self.steps = 0  # decode steps run, for tests and logs
 
     # ---- setup -------------------------------------------------------------------------------------------------
@@ -255,6 +257,7 @@ class RolloutEngine:
             for config in configs.values():
                 config._attn_implementation = ATTN_IMPLEMENTATION
             with self._merged.swapped(decoder), self._adapters.swapped(decoder), _require_grads_hooks_off(decoder), \
+                    own_states(recurrent_mixers(decoder)) as self._states, \
                     torch.autocast(decoder.device.type, enabled=False), rollout_context(state):
                 weights = (self._merged.version, self._adapters.version)
                 if self._buffers is not None and self._buffers.weights != weights:
@@ -328,6 +331,10 @@ class RolloutEngine:
             logits = self._prefill(decoder, input_ids[firsts], start[firsts], b, len(distinct))[source]
             if len(distinct) < batch:
                 _spread_prompt_rows(decoder, source, prompt_len)
+                for states in self._states:
+                    states.spread(source)
+            for states in self._states:
+                states.use_rows(batch)
             if self._probe is not None:
                 self._probe[0] = self._probe[0][source[self._probe_rows]]
             first, first_logprobs = sample(logits, sampling, b.seen[:batch] if penalty else None)
@@ -351,9 +358,14 @@ class RolloutEngine:
                         probing = self._probe is not None and len(self._probe) < _PROBE_STEPS
                         if smaller < size and running <= size // 2 and not probing:
                             size = smaller
-                            current = self._batch(b, size)
                             # Running rows first; finished rows fill the rest (their writes land after their EOS).
                             order = torch.argsort(b.finished[:batch].to(torch.int8), stable=True)
+                            if self._states:  # their rows are batch positions: each running row's moves with it
+                                position = torch.zeros(batch, dtype=torch.long, device=device)
+                                position[current.rows] = torch.arange(len(current.rows), device=device)
+                                for states in self._states:
+                                    states.reorder(position[order[:size]])
+                            current = self._batch(b, size)
                             current.rows.copy_(order[:size])
                     self._run(decoder, current, b, sampling, eos)
                     generated += 1
@@ -373,14 +385,23 @@ class RolloutEngine:
         state.prefill, state.prefill_calls = True, 0
         state.prefill_modules.clear()
         self._cache.seen_tokens, self._cache.prefill_updates, self._cache.prefilling = 0, 0, True
+        extra = {}
+        if self._states:  # the mixers zero the padded positions' inputs with the 2D mask (recurrent.py)
+            slots = torch.arange(prompt_len, device=input_ids.device)
+            extra["attention_mask"] = (slots[None] >= start[:, None]).long()
+            for states in self._states:
+                states.begin_prefill(state.cache_rows, batch)
         try:
             logits = embed_and_forward(
                 decoder, input_ids, position_ids=positions, past_key_values=self._cache, use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=1, **extra,
             ).logits[:, -1]
         finally:
             state.prefill = self._cache.prefilling = False
-        if state.prefill_calls == 0 or state.prefill_calls != self._cache.prefill_updates:
+            for states in self._states:
+                states.end_prefill()
+        stateful = any(states.written for states in self._states)
+        if (state.prefill_calls == 0 and not stateful) or state.prefill_calls != self._cache.prefill_updates:
             raise NotRolloutAttention(
                 f"{type(decoder).__name__}: {self._cache.prefill_updates} cache updates but {state.prefill_calls} "
                 "calls of the rollout attention in the prefill (some attention does not go through transformers' "
@@ -485,11 +506,12 @@ def _spread_prompt_rows(decoder: nn.Module, source: torch.Tensor, prompt_len: in
 
 
 def _decoder_layers(decoder: nn.Module) -> nn.ModuleList:
-    """The module list whose members hold the attention modules given a cache (not, say, a vision tower's)."""
+    """The module list whose members hold the attention modules given a cache or the mixers given states (not, say, a
+    vision tower's)."""
     best, held = None, 0
     for module in decoder.modules():
-        if isinstance(module, nn.ModuleList) and len({type(child) for child in module}) == 1:
-            count = sum(any(has_layer_cache(m) for m in child.modules()) for child in module)
+        if isinstance(module, nn.ModuleList):  # hybrids' lists mix layer classes: each compiles its own graph
+            count = sum(any(has_layer_cache(m) or has_states(m) for m in child.modules()) for child in module)
             if count > held:
                 best, held = module, count
     if best is None:

@@ -104,8 +104,12 @@ def has_layer_cache(module: torch.nn.Module) -> bool:
 
 
 def release_caches(model: torch.nn.Module) -> None:
+    """Free the engine's per-module caches: attention modules' KV tensors, linear-attention mixers' states."""
+    from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
+
     for module in model.modules():
         module.__dict__.pop(_KV_ATTRIBUTE, None)
+        module.__dict__.pop(STATES_ATTRIBUTE, None)
 
 
 def _window(sliding_window) -> int | None:
