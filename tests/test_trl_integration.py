@@ -323,6 +323,31 @@ def test_reward_rises_on_a_learnable_reward(tokenizer, tmp_path):
     assert_reward_rose(rewards)
 
 
+def test_a_hybrid_linear_attention_decoder_trains_with_engine_rollouts(tokenizer, tmp_path):
+    """Qwen3.5's layout (gated DeltaNet layers beside attention layers), tiny: GRPO steps run end to end; the engine
+    samples the rollouts (their log-probs reach the agreement metric: no model.generate fallback); the loss forwards
+    run padded, the reason said. (The backend hands off to eager here: torch 2.13's aot_eager backward fails on the
+    gated DeltaNet for any compile, fastgrpo's or not; inductor, the default, trains it.)"""
+    import transformers
+
+    from bench.coverage import tiny_causal_lm
+
+    transformers.logging.set_verbosity_error()
+    model = tiny_causal_lm("qwen3_5_text")
+    model.resize_token_embeddings(VOCAB)
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    args = F.GRPOConfig(**common_args(tmp_path, max_steps=2, bf16=False, fastgrpo_compile_options={"inner": "eager"}))
+    trainer = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkv"]))
+    with pytest.warns(UserWarning, match="runs padded, not packed.*linear_attention"):
+        trainer.train()
+    assert trainer._embedded_generator.fallback is None
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(math.isfinite(entry["loss"]) for entry in logged)
+    assert all("sampling/ratio_outside_0.9_1.1" in entry for entry in logged)
+
+
 def test_bf16_autocast_training_on_cpu(tokenizer, tmp_path):
     # The GPU's precision on the CPU: fp32 weights, bf16 autocast, the rollouts decoded by the engine in fp32.
     trainer, rewards = train_on_learnable_reward(tokenizer, tmp_path, bf16=True,
