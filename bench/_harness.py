@@ -69,6 +69,10 @@ SHAPES = {
         query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         attn_implementation="eager",
     ),
+    # A hybrid decoder: gated DeltaNet (linear attention) layers with a full-attention layer every fourth. transformers'
+    # Qwen3_5TextConfig defaults as they are (hidden 4096, 32 layers, head dim 256, 248,320-token vocabulary: the
+    # dimensions third-party descriptions give for Qwen3.5-9B; not checked against a released checkpoint).
+    "qwen3.5-text-defaults": dict(model_type="qwen3_5_text"),
 }
 DEFAULT_SHAPE = "qwen2.5-1.5b"
 # --tiny: two small layers of the same architecture (a smoke run; CPU is fine). The second set applies only to
@@ -102,21 +106,21 @@ def shape_config(name: str, max_len: int | None = None, tiny: bool = False):
 
 def attention_shape(name: str) -> tuple[int, int, int]:
     """(query heads, key-value heads, head dim) of shape `name`."""
-    s = _shape(name)
-    heads = s["num_attention_heads"]
-    return heads, s["num_key_value_heads"], s.get("head_dim", s["hidden_size"] // heads)
+    c = shape_config(name)
+    heads = c.num_attention_heads
+    return heads, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // heads
 
 
 def mlp_shape(name: str) -> tuple[int, int]:
     """(hidden, intermediate) of shape `name`."""
-    s = _shape(name)
-    return s["hidden_size"], s["intermediate_size"]
+    c = shape_config(name)
+    return c.hidden_size, c.intermediate_size
 
 
 def head_shape(name: str) -> tuple[int, int]:
     """(hidden, vocabulary) of shape `name`'s lm-head."""
-    s = _shape(name)
-    return s["hidden_size"], s["vocab_size"]
+    c = shape_config(name)
+    return c.hidden_size, c.vocab_size
 
 
 def causal_lm(config, device, dtype: torch.dtype = torch.bfloat16, seed: int | None = None):

@@ -74,21 +74,32 @@ def model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def kv_bytes_per_token(config) -> int:
-    text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 2  # k and v, bf16
+def cache_bytes(model) -> tuple[int, int]:
+    """(KV bytes a row reads per cached token, state bytes a row reads and writes per decode step), from the caches
+    the engine holds after a call: only attention layers keep KV; linear-attention and state-space layers keep a
+    fixed-size state instead (both 0 when the engine fell back)."""
+    from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
+
+    kv = state = 0
+    for module in model.modules():
+        for cache in module.__dict__.get("_fastgrpo_kv") or ():
+            rows, heads, slots, dim = cache.shape
+            kv += heads * dim * cache.element_size()
+        states = module.__dict__.get(STATES_ATTRIBUTE)
+        if states is not None and states.capacity:
+            state += sum(b.numel() * b.element_size() for b in states._buffers.values()) // states.capacity
+    return kv, state
 
 
-def limit_seconds(model, rows_lengths: list[int], prompt_len: int) -> float:
-    """Weights read once per decode step, each running row's KV once, the prefill at the matmul rate."""
+def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token: int, state_per_row: int) -> float:
+    """Weights read once per decode step, each running row's KV once and its states read and written once, the
+    prefill at the matmul rate."""
     weights = model_bytes(model)
-    per_token = kv_bytes_per_token(model.config)
     steps = max(rows_lengths)
     seconds = 2 * sum(p.numel() for p in model.parameters()) * len(rows_lengths) * prompt_len / MATMUL
     for t in range(1, steps):
         running = sum(1 for n in rows_lengths if n > t)
-        seconds += (weights + running * (prompt_len + t) * per_token) / BANDWIDTH
+        seconds += (weights + running * ((prompt_len + t) * kv_per_token + 2 * state_per_row)) / BANDWIDTH
     return seconds
 
 
@@ -170,7 +181,7 @@ def main(argv=None):
             hook.remove()
         seconds = statistics.median(times)
         tokens = sum(lengths)
-        limit = limit_seconds(decoder, lengths, args.prompt_len)
+        limit = limit_seconds(decoder, lengths, args.prompt_len, *cache_bytes(decoder))
         row = dict(path="EmbeddedGenerator", backend=args.backend, backend_options=args.backend_options, shape=args.shape, rows=rows, new_tokens=new, spread=spread,
                    mean_length=tokens / rows, lora=bool(args.lora), merge_lora=args.merge_lora if args.lora else None,
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,

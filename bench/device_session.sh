@@ -90,6 +90,10 @@ run_step() {
     # and its decode attention kernel against SDPA over the whole cache.
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
     decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
+    # Rollouts of a hybrid decoder (gated DeltaNet + attention: bench/_harness.py's qwen3.5-text-defaults), and
+    # its GPU tests (CUDA-graph decode of hybrids, tests/test_generation_recurrent.py).
+    hybrid) step hybrid_tests 200 "$OURS" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 190 -rfE --tb=short tests/test_generation_recurrent.py
+      step hybrid_generation 200 "$OURS" python3 bench/bench_generation.py --shape qwen3.5-text-defaults --cases ${HYBRID_CASES:-64x256,128x512} ;;
     # Plain sampling as fastgrpo::race_sample against the eager race, one process each, alternating twice.
     fused_sampling)
       for fused in 0 1 0 1; do
