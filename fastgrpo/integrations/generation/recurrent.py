@@ -51,11 +51,6 @@ def has_states(module: nn.Module) -> bool:
     return module.__dict__.get(STATES_ATTRIBUTE) is not None
 
 
-def release_states(model: nn.Module) -> None:
-    for module in model.modules():
-        module.__dict__.pop(STATES_ATTRIBUTE, None)
-
-
 class LayerStates:
     """One mixer's conv and recurrent states, with the part of transformers' Cache API the mixers call.
 
