@@ -242,6 +242,90 @@ def _run_every_op():
         rms_norm_module._bwd_config = default_config
 
 
+# Dimensions of models the kernels were not tuned on: (hidden, intermediate, query heads, key-value heads, head dim,
+# vocabulary, rotary dims), as their public configs give them (the Qwen3.5 rows: transformers' Qwen3_5TextConfig
+# defaults and a 27B-sized variant). Head dims 64-256 (96 is not a power of two), vocabularies of 32k-262k.
+UNSEEN_DIMS = {
+    "phi-3-mini": (3072, 8192, 32, 32, 96, 32064, 96),
+    "smollm2-1.7b": (2048, 8192, 32, 32, 64, 49152, 64),
+    "mistral-7b": (4096, 14336, 32, 8, 128, 32768, 128),
+    "gemma-3-4b": (2560, 10240, 8, 4, 256, 262208, 256),
+    "qwen3.5-text-defaults": (4096, 12288, 16, 4, 256, 248320, 64),
+    "qwen3.5-27b-sized": (5120, 17408, 24, 4, 256, 248320, 64),
+}
+
+
+def _run_ops_at_model_dims():
+    """The ops at the dimensions of UNSEEN_DIMS, in bf16 as training and decoding run them: launch configurations
+    are chosen by rules of these sizes. Rows are many where only Triton computes (the norms, RoPE, act_mul, decode
+    attention, sampling) and few where torch's matmuls run beside the kernels (the MLP, the lm-head)."""
+    bf16 = dict(dtype=torch.bfloat16)
+    for hidden, inter, heads, kv_heads, head_dim, vocab, rotary in UNSEEN_DIMS.values():
+        x, residual = (torch.zeros(4096, hidden, **bf16, requires_grad=True) for _ in range(2))
+        weight = torch.zeros(hidden, **bf16, requires_grad=True)
+        rms_norm(x, weight).float().sum().backward()
+        s, normed = add_rms_norm(x, residual, weight)
+        (s.float().sum() + normed.float().sum()).backward()
+
+        q = torch.zeros(2, heads, 1024, head_dim, **bf16, requires_grad=True)
+        k = torch.zeros(2, kv_heads, 1024, head_dim, **bf16, requires_grad=True)
+        cos, sin = (torch.zeros(2, 1, 1024, rotary, **bf16) for _ in range(2))
+        rq, rk = rope(q, k, cos, sin, rotary_dim=rotary if rotary < head_dim else None)
+        (rq.float().sum() + rk.float().sum()).backward()
+
+        h = torch.zeros(16, hidden, **bf16, requires_grad=True)
+        w_gate, w_up = (torch.zeros(inter, hidden, **bf16) for _ in range(2))
+        w_down = torch.zeros(hidden, inter, **bf16)
+        lora = [torch.zeros(16, hidden, requires_grad=True), torch.zeros(inter, 16, requires_grad=True)]
+        down_lora = [torch.zeros(16, inter, requires_grad=True), torch.zeros(hidden, 16, requires_grad=True)]
+        gated_mlp(h, w_gate, w_up, *lora, *lora, lora_scale=2.0, w_down=w_down, down_lora_a=down_lora[0],
+                  down_lora_b=down_lora[1], down_lora_scale=2.0).float().sum().backward()
+        gate, up = (torch.zeros(4096, inter, **bf16, requires_grad=True) for _ in range(2))
+        act_mul(gate, up, "silu").float().sum().backward()
+
+
+        for rows in (8, 64):
+            q = torch.zeros(rows, heads, head_dim, **bf16)
+            k_new, v_new = (torch.zeros(rows, kv_heads, head_dim, **bf16) for _ in range(2))
+            k_cache, v_cache = (torch.zeros(rows + 1, kv_heads, 1024, head_dim, **bf16) for _ in range(2))
+            decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(rows), torch.zeros(rows + 1,
+                             dtype=torch.int64), torch.tensor(700), scale=head_dim ** -0.5)
+            race_sample(torch.zeros(rows, vocab, **bf16), torch.zeros(1, dtype=torch.int64), 1.0)
+            for n, k_in in ((heads * head_dim, hidden), (inter, hidden), (hidden, inter)):
+                blocks = n * k_in // 64
+                nf4_lora_linear(torch.zeros(rows, k_in, **bf16), torch.zeros(n * k_in // 2, 1, dtype=torch.uint8),
+                                absmax=torch.zeros(blocks, dtype=torch.uint8), code=torch.zeros(16), shape=(n, k_in),
+                                blocksize=64, nested_absmax=torch.zeros(-(-blocks // 256)),
+                                nested_code=torch.zeros(256), offset=torch.tensor(0.0),
+                                lora_a=torch.zeros(16, k_in), lora_b=torch.zeros(n, 16), scaling=2.0)
+
+    # The lm-head op's tiles are chosen by the hidden size's band (<= 2048: 2048 rows x 4096 columns, else 1024 x 8192),
+    # its launches by a tile's place (first, middle, last): three tiles of each band give them all, without the CPU
+    # running a real vocabulary's padded GEMMs.
+    for hidden, tile in ((2048, 4096), (2560, 8192)):
+        hidden_rows = torch.zeros(4, hidden, **bf16, requires_grad=True)
+        head = torch.zeros(2 * tile + 300, hidden, **bf16)
+        logp, entropy = selective_logprob(hidden_rows, head, torch.tensor([1, 7, -100, 3]), with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+
+
+def _compile_for_sm90(launches: list[dict]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches), capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["failures"], "\n".join(result["failures"])
+    return result
+
+
+def test_kernels_compile_for_sm90_at_dimensions_they_were_not_tuned_on():
+    launches = _record_launches(_run_ops_at_model_dims)
+    result = _compile_for_sm90(launches)
+    print(f"{len(launches)} launches at {len(UNSEEN_DIMS)} models' dimensions compiled for sm_90, "
+          f"largest shared memory {result['largest_shared']} bytes")
+
+
 def test_every_kernel_compiles_for_sm90():
     launches = _record_launches(_run_every_op)
     names = {r["name"] for r in launches}
@@ -251,11 +335,6 @@ def test_every_kernel_compiles_for_sm90():
     defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreter.InterpretedFunction) and name.endswith("_kernel")}
     assert names == defined, (sorted(defined - names), sorted(names - defined))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches), capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not result["failures"], "\n".join(result["failures"])
+    result = _compile_for_sm90(launches)
     print(f"{len(launches)} launches of {len(names)} kernels compiled for sm_90, "
           f"largest shared memory {result['largest_shared']} bytes")
