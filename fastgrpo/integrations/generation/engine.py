@@ -318,9 +318,10 @@ class RolloutEngine:
             b.seen.zero_()[:batch].scatter_(1, input_ids, True)
         eos = torch.tensor(self.eos_token_ids, device=device)
         self._probe = [] if self._verify else None
-        if self._probe is not None:  # up to two of the longest prompts: their padding, if any, is the same
-            self._probe_start = int(start.min())
-            self._probe_rows = torch.nonzero(start == self._probe_start)[:2, 0]
+        if self._probe is not None:  # up to two of the longest prompts, and the most padded one
+            longest, shortest = torch.nonzero(start == start.min())[:2, 0], torch.argmax(start)[None]
+            self._probe_rows = longest if start.max() == start.min() else torch.cat([longest, shortest])
+            self._probe_starts = start[self._probe_rows].tolist()
 
         # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once and its keys and
         # values are copied to the rows of its completions.
@@ -465,27 +466,33 @@ class RolloutEngine:
         captured.replay()  # capturing records the step without running it
 
     def _check(self, decoder, input_ids: torch.Tensor, b: _Buffers, generated: int) -> None:
-        """Compare the engine's logits (prefill and the first decode steps) on up to two of the longest prompts with
-        the model's plain forward over the same tokens, padding stripped: the forward the trainer scores with; once
-        per engine. `EngineMismatch` when they disagree."""
+        """Compare the engine's logits (prefill and the first decode steps) on up to two of the longest prompts and
+        the most padded one with the model's plain forward over the same tokens, padding stripped: the forward the
+        trainer scores with; once per engine. `EngineMismatch` when they disagree (a model whose positions or states
+        the engine does not reproduce, with or without left padding)."""
         probe, self._probe, self._verify = self._probe, None, False
         rows = self._probe_rows
         steps = min(len(probe), generated)
-        ids = torch.cat([input_ids[rows, self._probe_start:], b.completion[rows, : steps - 1]], dim=1)
         was_training = decoder.training
         decoder.eval()
         layers = _decoder_layers(decoder)
         saved = [layer.__dict__.get("_compiled_call_impl") for layer in layers]
+        reference = [None] * len(rows)
         try:
             for layer in layers:  # eagerly: a compiled training layer would compile a graph for this one forward
                 layer._compiled_call_impl = None
-            with torch.autocast(ids.device.type, enabled=False):
-                reference = decoder(input_ids=ids, use_cache=False).logits
+            for start in set(self._probe_starts):  # one forward for the rows of each padding
+                group = [i for i, s in enumerate(self._probe_starts) if s == start]
+                ids = torch.cat([input_ids[rows[group], start:], b.completion[rows[group], : steps - 1]], dim=1)
+                with torch.autocast(ids.device.type, enabled=False):
+                    logits = decoder(input_ids=ids, use_cache=False).logits[:, -steps:]
+                for i, row_logits in zip(group, logits):
+                    reference[i] = row_logits
         finally:
             for layer, call in zip(layers, saved):
                 layer._compiled_call_impl = call
             decoder.train(was_training)
-        reference = reference[:, -steps:].float().transpose(0, 1)  # [steps, rows, vocab]
+        reference = torch.stack(reference).float().transpose(0, 1)  # [steps, rows, vocab]
         engine = torch.stack(probe[:steps])
         kl = torch.nn.functional.kl_div(engine.log_softmax(-1), reference.log_softmax(-1), log_target=True,
                                         reduction="none").sum(-1).max().item()

@@ -66,6 +66,14 @@ class RolloutCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    def get_query_offset(self, *args, **kwargs):
+        raise NotRolloutAttention(
+            "the model derives positions from the cache's offsets, which the rollout engine's cache (one per row, "
+            "left-padded) does not keep"
+        )
+
+    get_mask_sizes = get_query_offset
+
     @property
     def is_compileable(self) -> bool:
         return True

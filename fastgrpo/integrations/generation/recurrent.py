@@ -1,7 +1,8 @@
 """Linear-attention and state-space layers in the rollout engine: their conv and recurrent states.
 
-transformers' mixers of such layers (Mamba, Mamba-2, gated DeltaNet and their kin: Qwen3.5, Qwen3-Next, Falcon-H1,
-Nemotron-H, Zamba2, Jamba, Bamba, Kimi-Linear, ...) take the cache as `cache_params` and use one API on it:
+transformers' mixers of such layers (Mamba, Mamba-2, gated DeltaNet, short convolutions and their kin: Qwen3.5,
+Qwen3-Next, Falcon-H1, Nemotron-H, Zamba2, Jamba, Bamba, Kimi-Linear, Inkling, ...) take the cache (as `cache_params`
+or `past_key_values`) and use one API on it:
 `has_previous_state(layer_idx)`, `update_conv_state(x, layer_idx, ...)` and `update_recurrent_state(s, layer_idx)` in
 the prefill; in a decode step `layers[layer_idx].conv_states[0]` (updated in place by the causal-conv step),
 `.recurrent_states[0]` and `update_recurrent_state`. While the engine decodes, each such mixer is handed its own
@@ -25,26 +26,32 @@ import torch.nn.functional as F
 from torch import nn
 
 STATES_ATTRIBUTE = "_fastgrpo_states"
-CACHE_ARGUMENT = "cache_params"
-_TAKES_CACHE: dict[type, bool] = {}
+CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # what transformers' mixers call the cache they update
+_STATE_CALLS = (".update_conv_state(", ".update_recurrent_state(")
+_CACHE_ARGUMENT: dict[type, tuple[str, int] | None] = {}
 _WRAPPERS: dict[type, object] = {}  # mixer class -> its forward wrapper: one object per class, so guards hold
 
 
-def _takes_cache(cls: type) -> bool:
-    takes = _TAKES_CACHE.get(cls)
-    if takes is None:
+def _cache_argument(cls: type) -> tuple[str, int] | None:
+    """(name, position after self) of the cache argument of a mixer class: one whose forward updates conv or recurrent
+    states on a cache it takes (not the blocks and models that pass the cache on); None for any other class."""
+    if cls not in _CACHE_ARGUMENT:
+        found = None
         try:
-            takes = CACHE_ARGUMENT in inspect.signature(cls.forward).parameters
-        except (TypeError, ValueError):
-            takes = False
-        _TAKES_CACHE[cls] = takes
-    return takes
+            forward = inspect.unwrap(cls.forward)
+            source = inspect.getsource(forward)
+            names = list(inspect.signature(forward).parameters)
+        except (TypeError, OSError, ValueError):
+            source, names = "", []
+        if any(call in source for call in _STATE_CALLS):
+            found = next(((name, names.index(name) - 1) for name in CACHE_ARGUMENTS if name in names), None)
+        _CACHE_ARGUMENT[cls] = found
+    return _CACHE_ARGUMENT[cls]
 
 
 def recurrent_mixers(model: nn.Module) -> list[nn.Module]:
-    """The innermost modules whose forward takes `cache_params` (the mixers; not the blocks and models passing it on)."""
-    takers = [m for m in model.modules() if _takes_cache(type(m))]
-    return [m for m in takers if not any(_takes_cache(type(c)) for c in m.modules() if c is not m)]
+    """The modules whose forward updates conv or recurrent states on the cache it takes (the mixers)."""
+    return [m for m in model.modules() if _cache_argument(type(m)) is not None]
 
 
 def has_states(module: nn.Module) -> bool:
@@ -146,12 +153,15 @@ class LayerStates:
         return views[index]
 
 
-def _own_states_forward(original):
+def _own_states_forward(original, name: str, position: int):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         states = self.__dict__.get(STATES_ATTRIBUTE)
-        if states is not None and kwargs.get(CACHE_ARGUMENT) is not None:
-            kwargs[CACHE_ARGUMENT] = states
+        if states is not None:
+            if kwargs.get(name) is not None:
+                kwargs[name] = states
+            elif len(args) > position and args[position] is not None:
+                args = (*args[:position], states, *args[position + 1:])
         return original(self, *args, **kwargs)
 
     return forward
@@ -169,7 +179,7 @@ def own_states(mixers: list[nn.Module]):
         for cls in classes:
             wrapper = _WRAPPERS.get(cls)
             if wrapper is None:
-                wrapper = _WRAPPERS[cls] = _own_states_forward(cls.forward)
+                wrapper = _WRAPPERS[cls] = _own_states_forward(cls.forward, *_cache_argument(cls))
             cls.forward = wrapper
         yield [m.__dict__[STATES_ATTRIBUTE] for m in mixers]
     finally:
