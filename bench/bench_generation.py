@@ -86,8 +86,8 @@ def cache_bytes(model) -> tuple[int, int]:
             rows, heads, slots, dim = cache.shape
             kv += heads * dim * cache.element_size()
         states = module.__dict__.get(STATES_ATTRIBUTE)
-        if states is not None and states.capacity:
-            state += sum(b.numel() * b.element_size() for b in states._buffers.values()) // states.capacity
+        if states is not None:
+            state += states.bytes_per_row
     return kv, state
 
 

@@ -521,17 +521,14 @@ ROLLOUT_STATUSES = {
 }
 
 
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int) -> list[list[int]]:
-    """model.generate's greedy completions of the left-padded batch, each cut after its first EOS."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    device = next(model.parameters()).device
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                         max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int, **generate_kwargs
+              ) -> list[list[int]]:
+    """model.generate's greedy completions of the left-padded batch, each cut after its first EOS (as TRL keeps it)."""
+    from fastgrpo.integrations.generation.generator import left_padded
+
+    ids, mask = left_padded(prompts, pad, next(model.parameters()).device)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=eos, pad_token_id=pad, **generate_kwargs)[:, ids.shape[1]:].tolist()
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 

@@ -40,17 +40,9 @@ def prompts(seed=0):
 
 def hf_greedy(model, prompt_ids, max_new_tokens, eos=EOS, **generate_kwargs):
     """model.generate on the left-padded batch, completions cut after the first EOS like TRL does."""
-    width = max(map(len, prompt_ids))
-    ids = torch.full((len(prompt_ids), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompt_ids):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    out = model.generate(
-        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=PAD, **generate_kwargs,
-    )[:, width:].tolist()  # fmt: skip
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+    from bench.coverage import hf_greedy as greedy
+
+    return greedy(model, prompt_ids, max_new_tokens, pad=PAD, eos=eos, **generate_kwargs)
 
 
 def fallback_notes_of_two_calls(generator, expected) -> list[str]:

@@ -391,7 +391,7 @@ class RolloutEngine:
             slots = torch.arange(prompt_len, device=input_ids.device)
             extra["attention_mask"] = (slots[None] >= start[:, None]).long()
             for states in self._states:
-                states.begin_prefill(state.cache_rows, batch)
+                states.begin_prefill(state.cache_rows)
         try:
             logits = embed_and_forward(
                 decoder, input_ids, position_ids=positions, past_key_values=self._cache, use_cache=True,

@@ -53,7 +53,7 @@ def truncate_after_eos(completion: torch.Tensor, eos_token_ids: list[int]) -> li
     return [row[:n].tolist() for row, n in zip(completion.cpu(), lengths.tolist())]
 
 
-def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -289,7 +289,7 @@ class EmbeddedGenerator:
                      ) -> tuple[torch.Tensor, None]:
         """`model.generate` on the left-padded batch: (completions, None). It keeps no log-probs (its per-step logits
         would be [rows, tokens, vocab]): the trainer then logs no sampler agreement."""
-        ids, mask = _left_padded(prompts, self.pad_token_id, self.device)
+        ids, mask = left_padded(prompts, self.pad_token_id, self.device)
         was_training = decoder.training
         decoder.eval()
         try:

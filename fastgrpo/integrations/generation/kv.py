@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
 from fastgrpo.kernels.decode_attention import decode_attention
 
 ATTN_IMPLEMENTATION = "fastgrpo_rollout"
@@ -113,8 +114,6 @@ def has_layer_cache(module: torch.nn.Module) -> bool:
 
 def release_caches(model: torch.nn.Module) -> None:
     """Free the engine's per-module caches: attention modules' KV tensors, linear-attention mixers' states."""
-    from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
-
     for module in model.modules():
         module.__dict__.pop(_KV_ATTRIBUTE, None)
         module.__dict__.pop(STATES_ATTRIBUTE, None)

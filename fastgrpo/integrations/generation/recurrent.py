@@ -1,8 +1,8 @@
 """Linear-attention and state-space layers in the rollout engine: their conv and recurrent states.
 
 transformers' mixers of such layers (Mamba, Mamba-2, gated DeltaNet, short convolutions and their kin: Qwen3.5,
-Qwen3-Next, Falcon-H1, Nemotron-H, Zamba2, Jamba, Bamba, Kimi-Linear, Inkling, ...) take the cache (as `cache_params`
-or `past_key_values`) and use one API on it:
+Qwen3-Next, Falcon-H1, Nemotron-H, Zamba2, Jamba, Bamba, Kimi-Linear, Zaya, ...) take the cache (as `cache_params` or
+`past_key_values`) and use one API on it:
 `has_previous_state(layer_idx)`, `update_conv_state(x, layer_idx, ...)` and `update_recurrent_state(s, layer_idx)` in
 the prefill; in a decode step `layers[layer_idx].conv_states[0]` (updated in place by the causal-conv step),
 `.recurrent_states[0]` and `update_recurrent_state`. While the engine decodes, each such mixer is handed its own
@@ -74,7 +74,6 @@ class LayerStates:
         self.conv_kernel_size: dict[int, int] = {}
         self.previous: dict[int, bool] = {}
         self.capacity = 0
-        self.rows = 0
         self.prefilling = False
         self.written = False  # whether this call's prefill wrote a state (the mixer ran with the cache)
 
@@ -112,14 +111,18 @@ class LayerStates:
 
     # -- what the engine calls --------------------------------------------------------------------------------------
 
-    def begin_prefill(self, capacity: int, rows: int) -> None:
-        """A new call: states start empty; the prefill writes rows [0, rows) of buffers of `capacity` rows."""
+    def begin_prefill(self, capacity: int) -> None:
+        """A new call: states start empty; the prefill writes the first rows of buffers of `capacity` rows."""
         self.previous.clear()
-        self.capacity, self.rows, self.prefilling, self.written = capacity, rows, True, False
+        self.capacity, self.prefilling, self.written = capacity, True, False
 
     def end_prefill(self) -> None:
         self.prefilling = False
 
+    @property
+    def bytes_per_row(self) -> int:
+        """What a decode step reads (and writes) of these states for one row."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values()) // max(self.capacity, 1)
 
     def spread(self, source: torch.Tensor) -> None:
         """Row i takes the states of prefill row source[i] (GRPO's completions of one prompt)."""
@@ -134,7 +137,6 @@ class LayerStates:
 
     def use_rows(self, rows: int) -> None:
         """The decode steps from now on run `rows` rows: the views they read."""
-        self.rows = rows
         for (kind, index), buffer in self._buffers.items():
             (self.conv_states if kind == "conv" else self.recurrent_states)[index] = buffer[:rows]
 
@@ -169,7 +171,7 @@ def _own_states_forward(original, name: str, position: int):
 
 @contextlib.contextmanager
 def own_states(mixers: list[nn.Module]):
-    """Each mixer given its `LayerStates` (kept across calls) and handed it as `cache_params` for the block."""
+    """Each mixer given its `LayerStates` (kept across calls) and handed it as its cache argument for the block."""
     classes = {type(m) for m in mixers}
     saved = {cls: cls.__dict__.get("forward") for cls in classes}
     try:
