@@ -125,12 +125,14 @@ def test_layer_states_follow_transformers_conv_and_recurrent_updates():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
-def test_cuda_graph_decode_of_hybrids_matches_model_generate(arch):
+@pytest.mark.parametrize("arch,dtype", [("qwen3_next", torch.float32), ("qwen3_next", torch.bfloat16),
+                                        ("falcon_h1", torch.float32)])
+def test_cuda_graph_decode_of_hybrids_matches_model_generate(arch, dtype):
     """On CUDA: inductor-compiled layers and the step captured per batch size, the states read and written in place
-    by the replays; model.generate's tokens, also after finished rows drop out and in a second call."""
+    by the replays; model.generate's tokens, also after finished rows drop out and in a second call. Qwen3-Next's
+    experts decode through grouped_mm in bf16 and batched_mm in fp32 (experts.py)."""
     torch._dynamo.reset()
-    model = peaked(tiny_causal_lm(arch)).cuda()
+    model = peaked(tiny_causal_lm(arch, dtype=dtype)).cuda()
     vocab = model.config.get_text_config().vocab_size
     first, *others = batch_of(vocab, lengths=(5, 9, 3))
     prompts = [first] * 12 + others
@@ -145,3 +147,49 @@ def test_cuda_graph_decode_of_hybrids_matches_model_generate(arch):
         stopping = EmbeddedGenerator(model, 0, [eos], max_new_tokens=40, min_batch=1, check_finished_every=4)
         assert strict_generate(stopping, prompts) == early
         assert len(stopping.engine._buffers.batches) > 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "mamba"])
+def test_a_deep_model_compiles_one_decode_graph_per_layer_kind(arch):
+    """Twelve layers (nine or twelve mixers: past Dynamo's recompile limit of 8 if each layer index compiled its own
+    graph) decode through the compiled step with one graph per kind of layer."""
+    from bench.coverage import tiny_overrides
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(arch, **tiny_overrides(arch))
+    config.num_hidden_layers = 12
+    if arch == "qwen3_5_text":
+        config.layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)]
+    model = peaked(transformers.AutoModelForCausalLM.from_config(config))
+    kinds = len({tuple(name for name, _ in layer.named_children()) for layer in model.base_model.layers})
+    vocab = config.vocab_size
+    prompts = batch_of(vocab, lengths=(5, 9, 3))
+    expected = hf_greedy(model, prompts, 6, pad=0, eos=vocab + 5)
+    generator = EmbeddedGenerator(model, 0, [vocab + 5], max_new_tokens=6, compile=True, compile_backend="eager",
+                                  min_batch=1)
+    assert strict_generate(generator, prompts) == expected
+    assert generator.engine.backend.compiles == kinds
+    if arch == "mamba":
+        assert [m.layer_idx for m in recurrent_mixers(model)] == list(range(12))  # the indices are back
+
+
+def test_experts_that_would_read_the_host_in_a_captured_step_decode_batched():
+    """A non-bf16 experts module (Qwen3-Next's) would take transformers' grouped_mm fallback inside the compiled step,
+    which reads its offsets on the host (no CUDA graph can capture that): for the engine's call it decodes with
+    "batched_mm" (the same tokens), and its config is restored afterwards; bf16 experts keep grouped_mm."""
+    from fastgrpo.integrations.generation.experts import capturable_experts, uncapturable_experts
+
+    model = peaked(tiny_causal_lm("qwen3_next"))
+    experts = uncapturable_experts(model)
+    assert experts and all(m.config._experts_implementation == "grouped_mm" for m in experts)
+    vocab = model.config.vocab_size
+    prompts = batch_of(vocab, lengths=(5, 9, 3))
+    expected = hf_greedy(model, prompts, 6, pad=0, eos=vocab + 5)
+    with capturable_experts(model, active=True):
+        assert {m.config._experts_implementation for m in experts} == {"batched_mm"}
+        assert hf_greedy(model, prompts, 6, pad=0, eos=vocab + 5) == expected
+    assert {m.config._experts_implementation for m in experts} == {"grouped_mm"}
+    with capturable_experts(model, active=False):
+        assert {m.config._experts_implementation for m in experts} == {"grouped_mm"}
+    assert not uncapturable_experts(model.to(torch.bfloat16))

@@ -29,6 +29,7 @@ from torch import nn
 
 from fastgrpo.compiler.backend import cpu_vector_probe_off
 from fastgrpo.integrations.generation.adapters import CompactAdapters, MergedAdapters
+from fastgrpo.integrations.generation.experts import capturable_experts
 from fastgrpo.integrations.generation.kv import (
     ATTN_IMPLEMENTATION,
     NotRolloutAttention,
@@ -258,6 +259,7 @@ class RolloutEngine:
                 config._attn_implementation = ATTN_IMPLEMENTATION
             with self._merged.swapped(decoder), self._adapters.swapped(decoder), _require_grads_hooks_off(decoder), \
                     own_states(recurrent_mixers(decoder)) as self._states, \
+                    capturable_experts(decoder, self.cuda_graphs and self._compiled_layer is not None), \
                     torch.autocast(decoder.device.type, enabled=False), rollout_context(state):
                 weights = (self._merged.version, self._adapters.version)
                 if self._buffers is not None and self._buffers.weights != weights:

@@ -174,10 +174,16 @@ def own_states(mixers: list[nn.Module]):
     """Each mixer given its `LayerStates` (kept across calls) and handed it as its cache argument for the block."""
     classes = {type(m) for m in mixers}
     saved = {cls: cls.__dict__.get("forward") for cls in classes}
+    # The mixers read their `layer_idx` only to index the cache, which their LayerStates ignore; Dynamo guards it all
+    # the same (`cache_params.layers[self.layer_idx]`), so distinct indices would compile one decode graph per layer
+    # and hit the recompile limit at 9 linear layers. For the block every mixer says 0: one graph per layer kind.
+    indices = {m: m.__dict__["layer_idx"] for m in mixers if isinstance(m.__dict__.get("layer_idx"), int)}
     try:
         for module in mixers:
             if not has_states(module):
                 module.__dict__[STATES_ATTRIBUTE] = LayerStates()
+        for module in indices:
+            module.__dict__["layer_idx"] = 0
         for cls in classes:
             wrapper = _WRAPPERS.get(cls)
             if wrapper is None:
@@ -185,6 +191,8 @@ def own_states(mixers: list[nn.Module]):
             cls.forward = wrapper
         yield [m.__dict__[STATES_ATTRIBUTE] for m in mixers]
     finally:
+        for module, index in indices.items():
+            module.__dict__["layer_idx"] = index
         for cls, forward in saved.items():
             if forward is None:
                 del cls.forward

@@ -1,0 +1,51 @@
+"""Mixture-of-experts layers in the rollout engine's captured decode step.
+
+transformers dispatches an experts module's forward on `config._experts_implementation`. Its default, "grouped_mm",
+is CUDA-graph safe in bf16, but inside a compiled graph with experts in any other dtype it takes a fallback op that
+reads the experts' token offsets on the host (`offs.tolist()`), which a CUDA graph cannot capture. For such modules
+the engine decodes with "batched_mm" (each token's selected experts gathered and multiplied: the same products,
+no host read) for the call.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+CAPTURABLE = "batched_mm"
+
+
+def uncapturable_experts(model: nn.Module) -> list[nn.Module]:
+    """The experts modules whose implementation would read the host inside a compiled, captured step."""
+    found = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) != "grouped_mm" or not hasattr(module, "has_gate"):
+            continue
+        weight = next(module.parameters(recurse=False), None)
+        if weight is not None and weight.dtype != torch.bfloat16:
+            found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def capturable_experts(model: nn.Module, active: bool):
+    """For the block, `uncapturable_experts` decode with "batched_mm" (their configs restored afterwards)."""
+    configs = {id(m.config): m.config for m in uncapturable_experts(model)} if active else {}
+    saved = {key: config._experts_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            _set(config, CAPTURABLE)
+        yield
+    finally:
+        for key, config in configs.items():
+            _set(config, saved[key])
+
+
+def _set(config, implementation: str) -> None:
+    """This config's implementation only (the public setter also rewrites its sub-configs')."""
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = implementation
+    else:
+        config._experts_implementation = implementation
