@@ -129,21 +129,29 @@ def test_layer_states_follow_transformers_conv_and_recurrent_updates():
                                         ("falcon_h1", torch.float32)])
 def test_cuda_graph_decode_of_hybrids_matches_model_generate(arch, dtype):
     """On CUDA: inductor-compiled layers and the step captured per batch size, the states read and written in place
-    by the replays; model.generate's tokens, also after finished rows drop out and in a second call. Qwen3-Next's
-    experts decode through grouped_mm in bf16 and batched_mm in fp32 (experts.py)."""
+    by the replays; model.generate's tokens (fp32), also after finished rows drop out and in a second call. Qwen3-Next's
+    experts decode through grouped_mm in bf16 and batched_mm in fp32 (experts.py). In bf16 inductor's fused layers
+    round differently from eager transformers (greedy tokens part after a few steps on this peaked model: measured on
+    an H200), so there the reference is the same compiled layers run without CUDA graphs."""
     torch._dynamo.reset()
     model = peaked(tiny_causal_lm(arch, dtype=dtype)).cuda()
     vocab = model.config.get_text_config().vocab_size
     first, *others = batch_of(vocab, lengths=(5, 9, 3))
     prompts = [first] * 12 + others
-    free_run = hf_greedy(model, prompts, 40, pad=0, eos=vocab + 5)
-    expected = free_run
+
+    def reference(eos, **kwargs):
+        if dtype == torch.float32:
+            return hf_greedy(model, prompts, 40, pad=0, eos=eos)
+        return strict_generate(EmbeddedGenerator(model, 0, [eos], max_new_tokens=40, cuda_graphs=False, **kwargs),
+                               prompts)
+
+    free_run = expected = reference(vocab + 5)
     generator = EmbeddedGenerator(model, 0, [vocab + 5], max_new_tokens=40)  # CUDA: compiled, CUDA graphs
     assert strict_generate(generator, prompts) == expected
     assert strict_generate(generator, prompts) == expected  # replays
     eos = next((t for t in free_run[0][1:6] if all(t not in row for row in free_run[12:])), None)
     if eos is not None:
-        early = hf_greedy(model, prompts, 40, pad=0, eos=eos)
+        early = reference(eos, min_batch=1, check_finished_every=4)
         stopping = EmbeddedGenerator(model, 0, [eos], max_new_tokens=40, min_batch=1, check_finished_every=4)
         assert strict_generate(stopping, prompts) == early
         assert len(stopping.engine._buffers.batches) > 1

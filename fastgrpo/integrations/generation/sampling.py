@@ -11,10 +11,10 @@ from fastgrpo.kernels.race_sample import race_sample
 
 _FILTERED = float("-inf")
 # Plain sampling (temperature > 0, no filter, no repetition penalty: TRL's defaults) through fastgrpo::race_sample,
-# one read of the logits in two launches, instead of the eager race's ~8 passes over [rows, vocab]. Off until measured
-# on a GPU (`python bench/bench_generation.py --fused-sampling 1` against the default); FASTGRPO_FUSED_SAMPLING=1 turns
-# it on.
-FUSED = os.environ.get("FASTGRPO_FUSED_SAMPLING", "0") == "1"
+# one read of the logits in two launches, instead of the eager race's ~8 passes over [rows, vocab]: 1.06x the rollouts'
+# tokens/s at 64x256 on the 1.5B shape (`bash bench/device_session.sh fused_sampling`, four processes alternating).
+# FASTGRPO_FUSED_SAMPLING=0 turns it off.
+FUSED = os.environ.get("FASTGRPO_FUSED_SAMPLING", "1") == "1"
 
 
 @dataclass(frozen=True)
