@@ -73,6 +73,14 @@ SHAPES = {
     # Qwen3_5TextConfig defaults as they are (hidden 4096, 32 layers, head dim 256, 248,320-token vocabulary: the
     # dimensions third-party descriptions give for Qwen3.5-9B; not checked against a released checkpoint).
     "qwen3.5-text-defaults": dict(model_type="qwen3_5_text"),
+    # A mixture-of-experts decoder: 128 experts, 8 a token, in every layer (Qwen3-30B-A3B's config.json values; the
+    # parameter count is its model card's, tests/test_bench_harness.py). The rollout engine decodes its bf16 experts
+    # through transformers' grouped_mm inside the captured step.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
 }
 DEFAULT_SHAPE = "qwen2.5-1.5b"
 # --tiny: two small layers of the same architecture (a smoke run; CPU is fine). The second set applies only to

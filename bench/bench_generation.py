@@ -91,14 +91,33 @@ def cache_bytes(model) -> tuple[int, int]:
     return kv, state
 
 
+def expert_banks(model) -> list[tuple[int, int, int, int]]:
+    """(bytes, parameters, experts, experts a token) of each mixture-of-experts bank: a module with `num_experts` whose
+    own weights are [experts, ...] tensors, its config naming `num_experts_per_tok`."""
+    banks = []
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        per_token = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        own = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == experts]
+        if isinstance(experts, int) and isinstance(per_token, int) and own:
+            banks.append((sum(p.numel() * p.element_size() for p in own), sum(p.numel() for p in own), experts,
+                          per_token))
+    return banks
+
+
 def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token: int, state_per_row: int) -> float:
     """Weights read once per decode step, each running row's KV once and its states read and written once, the
-    prefill at the matmul rate."""
-    weights = model_bytes(model)
+    prefill's active parameters at the matmul rate. An expert bank counts the experts that `running` rows are
+    expected to pick (uniform routing: a share 1 - (1 - k/E)^running of its bytes) and, in the prefill, k/E of its
+    parameters."""
+    banks = expert_banks(model)
+    dense = model_bytes(model) - sum(bank[0] for bank in banks)
+    active = sum(p.numel() for p in model.parameters()) - sum(n - n * k / e for _, n, e, k in banks)
     steps = max(rows_lengths)
-    seconds = 2 * sum(p.numel() for p in model.parameters()) * len(rows_lengths) * prompt_len / MATMUL
+    seconds = 2 * active * len(rows_lengths) * prompt_len / MATMUL
     for t in range(1, steps):
         running = sum(1 for n in rows_lengths if n > t)
+        weights = dense + sum(size * (1 - (1 - k / e) ** running) for size, _, e, k in banks)
         seconds += (weights + running * ((prompt_len + t) * kv_per_token + 2 * state_per_row)) / BANDWIDTH
     return seconds
 

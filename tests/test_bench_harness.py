@@ -19,6 +19,7 @@ PUBLISHED = {
     "qwen2.5-7b": ("qwen2", 28, 28, 4, 128, 3584, 7_615_616_512),
     "llama-3.1-8b": ("llama", 32, 32, 8, 128, 4096, 8_030_261_248),
     "gemma-2-2b": ("gemma2", 26, 8, 4, 256, 2304, 2_614_341_888),
+    "qwen3-30b-a3b": ("qwen3_moe", 48, 32, 4, 128, 2048, 30_532_122_624),
 }
 
 
@@ -218,3 +219,22 @@ def test_the_step_runs_each_system_on_cuda(shape, system, capsys):
             assert row["peak_gib"] > 0 and row["step_ms"] > 0, row
         else:  # Gemma-2's soft-capped attention has no variable-length kernel: its packed rows may say so
             assert shape == "gemma-2-2b" and row["system"] in grpo_step.PACKED, row
+
+
+def test_the_rollout_limit_reads_the_experts_the_rows_pick():
+    """bench_generation's limit: a decode step reads the dense weights and, of each expert bank, the share of its
+    experts that the running rows are expected to pick (k/E for one row, nearly all for many)."""
+    from bench import bench_generation as bg
+
+    moe = harness.causal_lm(harness.shape_config("qwen3-30b-a3b"), "meta")
+    banks = bg.expert_banks(moe)
+    assert len(banks) == 48 and {bank[2:] for bank in banks} == {(128, 8)}
+    assert not bg.expert_banks(harness.causal_lm(harness.shape_config("qwen2.5-1.5b"), "meta"))
+    experts = sum(bank[0] for bank in banks)
+    dense = bg.model_bytes(moe) - experts
+
+    def step_bytes(rows):  # one decode step, no prefill, no cache
+        return bg.limit_seconds(moe, [2] * rows, 0, 0, 0) * bg.BANDWIDTH
+
+    assert step_bytes(1) == pytest.approx(dense + experts * 8 / 128)
+    assert step_bytes(1024) == pytest.approx(dense + experts)

@@ -160,7 +160,9 @@ def check_matches_stock(pair, tokenizer, loss_type, beta, rtol, settings=None):
     clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio/region_mean")
     assert clipped is None or stock_metrics[clipped][0] > 0
     torch.testing.assert_close(metrics["entropy"], stock_metrics["entropy"], **close)
-    torch.testing.assert_close(loss, stock_loss, **close)
+    # The loss is a mean of per-token terms of size ~1 (advantage x ratio) that can cancel to ~1e-4 (the off-policy
+    # mask drops most of them): its error is judged against the terms' size, not the mean's.
+    torch.testing.assert_close(loss, stock_loss, rtol=rtol, atol=rtol)
     assert grads.keys() == stock_grads.keys() and len(grads) == 2 * 7 * 2
     for name, grad in grads.items():
         assert grad.abs().max() > 0, name

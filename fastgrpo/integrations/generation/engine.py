@@ -259,7 +259,7 @@ class RolloutEngine:
                 config._attn_implementation = ATTN_IMPLEMENTATION
             with self._merged.swapped(decoder), self._adapters.swapped(decoder), _require_grads_hooks_off(decoder), \
                     own_states(recurrent_mixers(decoder)) as self._states, \
-                    capturable_experts(decoder, self.cuda_graphs and self._compiled_layer is not None), \
+                    capturable_experts(decoder, self.cuda_graphs), \
                     torch.autocast(decoder.device.type, enabled=False), rollout_context(state):
                 weights = (self._merged.version, self._adapters.version)
                 if self._buffers is not None and self._buffers.weights != weights:

@@ -1,10 +1,10 @@
 """Mixture-of-experts layers in the rollout engine's captured decode step.
 
 transformers dispatches an experts module's forward on `config._experts_implementation`. Its default, "grouped_mm",
-is CUDA-graph safe in bf16, but inside a compiled graph with experts in any other dtype it takes a fallback op that
-reads the experts' token offsets on the host (`offs.tolist()`), which a CUDA graph cannot capture. For such modules
-the engine decodes with "batched_mm" (each token's selected experts gathered and multiplied: the same products,
-no host read) for the call.
+is CUDA-graph safe in bf16, but with experts in any other dtype it takes a fallback op that reads the experts' token
+offsets on the host (`offs.tolist()`), which a CUDA graph cannot capture (seen on an H200 with fp32 experts, compiled
+layers or not). For such modules the engine's captured steps decode with "batched_mm" (each token's selected experts
+gathered and multiplied: the same products, no host read) for the call.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CAPTURABLE = "batched_mm"
 
 
 def uncapturable_experts(model: nn.Module) -> list[nn.Module]:
-    """The experts modules whose implementation would read the host inside a compiled, captured step."""
+    """The experts modules whose implementation would read the host inside a captured step."""
     found = []
     for module in model.modules():
         config = getattr(module, "config", None)
