@@ -180,24 +180,3 @@ def test_a_deep_model_compiles_one_decode_graph_per_layer_kind(arch):
     assert generator.engine.backend.compiles == kinds
     if arch == "mamba":
         assert [m.layer_idx for m in recurrent_mixers(model)] == list(range(12))  # the indices are back
-
-
-def test_experts_that_would_read_the_host_in_a_captured_step_decode_batched():
-    """A non-bf16 experts module (Qwen3-Next's) would take transformers' grouped_mm fallback inside the compiled step,
-    which reads its offsets on the host (no CUDA graph can capture that): for the engine's call it decodes with
-    "batched_mm" (the same tokens), and its config is restored afterwards; bf16 experts keep grouped_mm."""
-    from fastgrpo.integrations.generation.experts import capturable_experts, uncapturable_experts
-
-    model = peaked(tiny_causal_lm("qwen3_next"))
-    experts = uncapturable_experts(model)
-    assert experts and all(m.config._experts_implementation == "grouped_mm" for m in experts)
-    vocab = model.config.vocab_size
-    prompts = batch_of(vocab, lengths=(5, 9, 3))
-    expected = hf_greedy(model, prompts, 6, pad=0, eos=vocab + 5)
-    with capturable_experts(model, active=True):
-        assert {m.config._experts_implementation for m in experts} == {"batched_mm"}
-        assert hf_greedy(model, prompts, 6, pad=0, eos=vocab + 5) == expected
-    assert {m.config._experts_implementation for m in experts} == {"grouped_mm"}
-    with capturable_experts(model, active=False):
-        assert {m.config._experts_implementation for m in experts} == {"grouped_mm"}
-    assert not uncapturable_experts(model.to(torch.bfloat16))

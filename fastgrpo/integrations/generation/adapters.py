@@ -1,8 +1,8 @@
 """LoRA adapters while the rollout engine decodes: merged into their base weights, read by the 4-bit kernel with a
 QLoRA base, or else in the compute dtype.
 
-`MergedAdapters` (below) folds each plain LoRA linear into one weight for the duration of a call (in place and
-restored bit-exact, or in a copy); in its default mode it decodes each plain LoRA linear over a bitsandbytes 4-bit
+`MergedAdapters` (below) folds each plain LoRA linear, and each LoRA on an MoE layer's fused experts (experts.py),
+into one weight for the duration of a call (in place and restored bit-exact, or in a copy); in its default mode it decodes each plain LoRA linear over a bitsandbytes 4-bit
 base through `fastgrpo::nf4_lora_linear` instead (the packed weight and the adapters read where they live). What it
 leaves (DoRA, bias LoRA, non-Linear bases, 4-bit bases the kernel does not take, 8-bit bases) runs PEFT's own
 forward with `CompactAdapters`:
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
@@ -139,6 +140,8 @@ def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
     """(why this LoRA layer decodes through PEFT's forward, None where it does not; whether it decodes through the
     4-bit kernel rather than a merged weight). Mode "float" takes 4-bit bases to the kernel; "all" merges every
     quantized base into a copy."""
+    if is_expert_lora(layer):  # a LoRA on an MoE layer's fused experts: merged into them in place, or not at all
+        return _adapter_obstacle(layer) or expert_lora_obstacle(layer), False
     base = layer.base_layer
     weight = getattr(base, "weight", None)
     if _is_quantized(weight):
@@ -205,6 +208,14 @@ def _four_bit_key(layer: nn.Module) -> tuple:
             tuple(float(layer.scaling[n]) for n in _active(layer)))
 
 
+def _merged_tensors(layer: nn.Module) -> tuple:
+    """Ids of the tensors a LoRA layer's merge writes or reads as its base: another tensor means new entries."""
+    if is_expert_lora(layer):
+        chain, module = expert_lora_chain(layer)
+        return tuple(id(getattr(module, wrapper.parameter_name)) for wrapper in chain)
+    return (id(layer.base_layer.weight),)
+
+
 def _is_lora_linear(module: nn.Module) -> bool:
     return (isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "get_delta_weight")
             and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
@@ -224,6 +235,7 @@ class _Merge:
     layer: nn.Module  # the LoRA layer, put back afterwards
     linear: nn.Module  # what decodes in its place: the base (in place), a linear over a copy, a FourBitLoRALinear
     in_place: bool = False  # the base weight itself holds the merged values during the call
+    param: torch.Tensor | None = None  # in place: the tensor merged (a linear's weight, or an experts parameter)
     fixes: tuple | None = None  # in place, while merged: (flat indices, original values) the undo would miss
     checksum: torch.Tensor | None = None  # in place, while merged: the sum of the original weight's bits
 
@@ -270,7 +282,7 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if isinstance(e.linear, FourBitLoRALinear) or e.linear is e.layer.base_layer:
+            if isinstance(e.linear, FourBitLoRALinear) or e.in_place:
                 continue
             weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
             copies[id(weight)] = weight
@@ -289,6 +301,8 @@ class MergedAdapters:
         """(parent, name, LoRA layer, whether it decodes through the 4-bit kernel) of the layers swapped; counts."""
         targets, not_merged = [], {}
         for parent in model.modules():
+            if is_expert_lora(parent):  # an inner wrapper of a chain: its outermost stands for it
+                continue
             for name, child in parent._modules.items():
                 if child is None or not _is_lora_linear(child) or child.disable_adapters or child.merged:
                     continue
@@ -301,7 +315,7 @@ class MergedAdapters:
                     not_merged[reason] = not_merged.get(reason, 0) + 1
         self.not_merged = not_merged
         self.nf4_layers = sum(t[3] for t in targets)
-        self.merged_layers = len(targets) - self.nf4_layers
+        self.merged_layers = sum(len(expert_lora_chain(t[2])[0]) or 1 for t in targets if not t[3])
         return targets
 
     @staticmethod
@@ -321,16 +335,21 @@ class MergedAdapters:
         linear.bias = base.bias
         return linear
 
-    def _entry(self, parent: nn.Module, name: str, layer: nn.Module, four_bit: bool, shared: set[int]) -> _Merge:
+    def _entries_of(self, parent: nn.Module, name: str, layer: nn.Module, four_bit: bool,
+                    shared: set[int]) -> list[_Merge]:
         if four_bit:
-            return _Merge(parent, name, layer, FourBitLoRALinear(layer))
+            return [_Merge(parent, name, layer, FourBitLoRALinear(layer))]
+        if is_expert_lora(layer):  # each wrapper's parameter merged in place; the outermost swapped for the module
+            chain, module = expert_lora_chain(layer)
+            return [_Merge(parent if i == 0 else None, name, wrapper, module, in_place=True,
+                           param=getattr(module, wrapper.parameter_name)) for i, wrapper in enumerate(chain)]
         base = layer.base_layer
         weight = base.weight
         in_place = (type(base) is nn.Linear and type(weight) is nn.Parameter and not weight.requires_grad
                     and weight.data_ptr() not in shared and weight.element_size() in _BITS and weight.is_contiguous())
         if not in_place:
-            return _Merge(parent, name, layer, self._copy_linear(layer))
-        return _Merge(parent, name, layer, base, in_place=True)
+            return [_Merge(parent, name, layer, self._copy_linear(layer))]
+        return [_Merge(parent, name, layer, base, in_place=True, param=weight)]
 
     @staticmethod
     def _delta(layer: nn.Module) -> torch.Tensor:
@@ -360,7 +379,7 @@ class MergedAdapters:
                 else:  # a copy linear shares the base's bias
                     e.linear.weight.copy_(base + delta)
                 continue
-            weight = e.linear.weight
+            weight = e.param
             merged = (weight.to(torch.float32) + delta).to(weight.dtype)
             undone = (merged.to(torch.float32) - delta).to(weight.dtype)
             bits = _BITS[weight.element_size()]
@@ -377,7 +396,7 @@ class MergedAdapters:
         for e in self._entries:
             if e.fixes is None:
                 continue
-            weight = e.linear.weight
+            weight = e.param
             weight.copy_((weight.to(torch.float32) - self._delta(e.layer)).to(weight.dtype))
             missed, values = e.fixes
             weight.view(-1)[missed] = values
@@ -402,7 +421,7 @@ class MergedAdapters:
             yield 0
             return
         targets = self._targets(model)
-        key = tuple((id(parent), name, id(layer), id(layer.base_layer.weight), tuple(layer.active_adapters),
+        key = tuple((id(parent), name, id(layer), _merged_tensors(layer), tuple(layer.active_adapters),
                      _four_bit_key(layer) if four_bit else None)
                     for parent, name, layer, four_bit in targets)
         if key != self._key:
@@ -413,7 +432,8 @@ class MergedAdapters:
             shared = {ptr for ptr, n in counts.items() if n > 1}
             self._entries = []  # the old copies go before the new are allocated
             joined = {}
-            merged = [(parent, name, layer) for parent, name, layer, four_bit in targets if not four_bit]
+            merged = [(parent, name, layer) for parent, name, layer, four_bit in targets
+                      if not four_bit and not is_expert_lora(layer)]
             for group in joinable_groups(merged, self._copy_dtype) if JOIN_QKV else []:
                 layers = [layer for _, _, layer in group]
                 projections = JoinedProjections([layer.out_features for layer in layers], layers[0].in_features,
@@ -421,15 +441,19 @@ class MergedAdapters:
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
-            self._entries = [joined.get(id(target[2])) or self._entry(*target, shared) for target in targets]
+            self._entries = [e for target in targets
+                             for e in ([joined[id(target[2])]] if id(target[2]) in joined
+                                       else self._entries_of(*target, shared))]
             self._key = key
             self.version += 1
         try:
             self._merge()
             for e in self._entries:
-                e.parent._modules[e.name] = e.linear
+                if e.parent is not None:
+                    e.parent._modules[e.name] = e.linear
             yield len(self._entries)
         finally:
             for e in self._entries:
-                e.parent._modules[e.name] = e.layer
+                if e.parent is not None:
+                    e.parent._modules[e.name] = e.layer
             self._restore()

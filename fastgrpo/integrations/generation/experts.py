@@ -49,3 +49,31 @@ def _set(config, implementation: str) -> None:
         config._experts_implementation_internal = implementation
     else:
         config._experts_implementation = implementation
+
+
+def is_expert_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA on a module's parameter (`ParamWrapper`: what `target_modules` naming an MoE layer's fused experts,
+    or `target_parameters`, gives): the parameter is W + B @ A while the wrapper's forward runs."""
+    return isinstance(getattr(module, "parameter_name", None), str) and isinstance(
+        getattr(module, "base_layer", None), nn.Module) and hasattr(module, "get_delta_weight")
+
+
+def expert_lora_chain(layer: nn.Module) -> tuple[list[nn.Module], nn.Module]:
+    """(the wrappers from `layer` inward, the module they wrap): PEFT nests one wrapper per targeted parameter."""
+    chain = []
+    while is_expert_lora(layer):
+        chain.append(layer)
+        layer = layer.base_layer
+    return chain, layer
+
+
+def expert_lora_obstacle(layer: nn.Module, shared: set[int] | None = None) -> str | None:
+    """Why the chain from `layer` cannot merge into its module's parameters in place for a call (None: it can)."""
+    chain, module = expert_lora_chain(layer)
+    for wrapper in chain:
+        param = getattr(module, wrapper.parameter_name, None)
+        if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+            return f"LoRA on {type(module).__name__}.{wrapper.parameter_name}, not a floating-point parameter"
+        if param.requires_grad or (shared is not None and param.data_ptr() in shared) or not param.is_contiguous():
+            return f"LoRA on {type(module).__name__}.{wrapper.parameter_name}, a trained, shared or strided parameter"
+    return None
