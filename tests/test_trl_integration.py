@@ -8,12 +8,13 @@ import gc
 import json
 import math
 import re
+import warnings
 
 import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback
 from trl.trainer.grpo_config import GRPOConfig as StockGRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
 
@@ -102,16 +103,28 @@ def compiled_graphs(run) -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def build_pair(tokenizer, tmp, compile_options, **device_args):
+def tiny_moe(tokenizer, seed=0):
+    """A tiny Qwen3-MoE: 4 experts, 2 a token, and a load-balancing coefficient large enough to move the loss."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=128, tie_word_embeddings=True, router_aux_loss_coef=0.5,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_pair(tokenizer, tmp, compile_options, model=tiny_model, **device_args):
     """A stock TRL trainer and a fastgrpo trainer over the same tiny LoRA model; loss_type and beta are set per check."""
     # num_iterations=2 makes TRL compute the old policy's log-probs (steps are not aligned with generation).
     shared = dict(num_iterations=2, beta=0.04, gradient_checkpointing=True, **device_args)
     stock = StockGRPOTrainer(
-        model=tiny_model(tokenizer), reward_funcs=low_id_fraction, args=StockGRPOConfig(**common_args(tmp, bf16=False, **shared)),
+        model=model(tokenizer), reward_funcs=low_id_fraction, args=StockGRPOConfig(**common_args(tmp, bf16=False, **shared)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer, peft_config=LoraConfig(**LORA),
     )
     ours = F.GRPOTrainer(
-        model=tiny_model(tokenizer), reward_funcs=low_id_fraction,
+        model=model(tokenizer), reward_funcs=low_id_fraction,
         # Uneven mini-batches (3+3+2 rows) and token chunks: the results must not depend on the split.
         args=F.GRPOConfig(**common_args(
             tmp, fastgrpo_compile_options=compile_options, fastgrpo_mini_batch=3, fastgrpo_logprob_chunk=5,
@@ -163,7 +176,7 @@ def check_matches_stock(pair, tokenizer, loss_type, beta, rtol, settings=None):
     # The loss is a mean of per-token terms of size ~1 (advantage x ratio) that can cancel to ~1e-4 (the off-policy
     # mask drops most of them): its error is judged against the terms' size, not the mean's.
     torch.testing.assert_close(loss, stock_loss, rtol=rtol, atol=rtol)
-    assert grads.keys() == stock_grads.keys() and len(grads) == 2 * 7 * 2
+    assert grads.keys() == stock_grads.keys() and len(grads) >= 2 * 4 * 2  # 2 layers, q/k/v/o at least, A and B
     for name, grad in grads.items():
         assert grad.abs().max() > 0, name
         # Absolute slack relative to the gradient's scale: packed rows (the default) sum attention in another order
@@ -211,6 +224,24 @@ def test_loss_and_lora_grads_match_stock_trl(peft_pair, tokenizer, loss_type, be
         "entropy-bonus", "off-policy-mask"])
 def test_other_loss_types_and_options_match_stock_trl(peft_pair, tokenizer, loss_type, settings):
     check_matches_stock(peft_pair[0], tokenizer, loss_type, 0.04, rtol=1e-5, settings=settings)
+
+
+@pytest.mark.parametrize("experts_lora", [False, True], ids=["attention-lora", "experts-lora"])
+def test_moe_load_balancing_loss_matches_stock_trl(tokenizer, tmp_path, monkeypatch, experts_lora):
+    """An MoE model with TRL's default router loss (the config's coefficient, here 0.5): the loss with its aux_loss
+    term and every LoRA gradient equal stock TRL's. LoRA on the fused experts (PEFT's ParamWrapper) runs the decoder
+    uncompiled, with a warning naming why."""
+    if not experts_lora:
+        monkeypatch.setitem(LORA, "target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pair = build_pair(tokenizer, tmp_path, COMPILE_OPTIONS, model=tiny_moe, use_cpu=True)
+        assert all(trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5 for trainer in pair)
+        check_matches_stock(pair, tokenizer, "grpo", 0.04, rtol=1e-5)
+    uncompiled = [w for w in caught if "runs uncompiled" in str(w.message)]
+    assert bool(uncompiled) == experts_lora
+    stock, ours = pair
+    assert ours._fastgrpo_heads[0].backbone._compiled is not None
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from fastgrpo.compiler import compile_repeated_blocks, fastgrpo_backend
 from fastgrpo.compiler.regions import repeated_blocks, unsplit_by_ddp
+from fastgrpo.integrations.generation.experts import is_expert_lora
 from fastgrpo.integrations.packing import Packer
 from fastgrpo.kernels.selective_logprob import selective_logprob
 from fastgrpo.integrations.trl.sizing import auto_logprob_chunk
@@ -28,6 +30,15 @@ def _logit_scale(text_config) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else float(scale)
+
+
+def load_balancing_loss(router_logits, text_config, attention_mask) -> torch.Tensor:
+    """The MoE load-balancing loss of a forward's router logits, as TRL's fused head computes it: Mixtral's
+    function (every MoE family's through transformers' modular system) over the rows' unmasked tokens."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, text_config.num_experts, text_config.num_experts_per_tok,
+                                    attention_mask)
 
 
 class CompiledBackbone:
@@ -67,6 +78,16 @@ class CompiledBackbone:
             return self._compiled(*args, **kwargs)
 
     def _compile(self, module: torch.nn.Module):
+        if any(is_expert_lora(m) for m in module.modules()):
+            warnings.warn(
+                "fastgrpo: the decoder runs uncompiled: it has LoRA on fused MoE experts (PEFT's ParamWrapper, what "
+                "target_modules naming gate_proj/up_proj/down_proj gives on such a model), whose per-call "
+                "parametrization, compiled, breaks non-reentrant checkpointing's recompute (CheckpointError). Target "
+                "the attention projections (and any shared expert's) to compile it; the rollouts still merge the "
+                "experts' LoRA.",
+                stacklevel=2,
+            )
+            return module
         blocks = repeated_blocks(module)
         if blocks is None:
             # The backend registered as "fastgrpo", passed as the function so no installed entry point is needed.
@@ -120,11 +141,11 @@ class LogprobHead:
                 return previous_forward(
                     *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
                 )
-            if kwargs.get("output_router_logits"):
-                raise NotImplementedError("fastgrpo's log-prob head does not return the MoE load-balancing loss")
+            router = bool(kwargs.get("output_router_logits"))
             kwargs["use_cache"] = False
             packed = None
-            if head.packer is not None and not args and shift_labels is None:
+            # The load-balancing loss counts each row's tokens as TRL's padded rows do: its batches run padded.
+            if head.packer is not None and not args and shift_labels is None and not router:
                 packed = head.packer.prepare(self, kwargs, labels, head.prompt_columns)
             # Looked up on each call: PEFT and FSDP replace modules after the head is installed.
             if packed is not None:
@@ -145,7 +166,12 @@ class LogprobHead:
                 entropy = None if entropy is None else packed.plan.scatter(entropy[0])
                 mask = packed.plan.scored_mask()
             loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-            return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
+            aux_loss = None
+            if router:
+                aux_loss = load_balancing_loss(outputs.router_logits, text_config, kwargs.get("attention_mask"))
+                loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+            return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask,
+                                       aux_loss=aux_loss)
 
         model.forward = types.MethodType(fastgrpo_forward, model)
 

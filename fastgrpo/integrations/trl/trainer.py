@@ -70,11 +70,6 @@ class GRPOTrainer(TRLGRPOTrainer):
         self._compile_log = CompileLog(enable_compile_cache(args.fastgrpo_compile_cache))  # before any compile
         with shared_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                "fastgrpo's GRPOTrainer does not compute the MoE router load-balancing loss yet; set "
-                "router_aux_loss_coef=0.0 in the config, or use TRL's GRPOTrainer for this model."
-            )
         check_prompts_for_a_step(self.train_dataset, args)
         keep_bnb_4bit_on_its_autograd_path(self.model)
         self._embedded_generator = None
@@ -241,7 +236,11 @@ class GRPOTrainer(TRLGRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         rows = self.args.fastgrpo_mini_batch
-        if rows == "auto":
+        if kwargs.get("compute_aux_loss"):
+            # The MoE load-balancing loss is not a sum over rows (its expert shares multiply): TRL's batches, so that
+            # it is TRL's number.
+            rows = batch_size
+        elif rows == "auto":
             rows = auto_mini_batch(
                 self.accelerator.unwrap_model(model).config,
                 rows=batch_size or input_ids.size(0),
