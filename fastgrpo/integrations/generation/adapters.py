@@ -2,10 +2,10 @@
 QLoRA base, or else in the compute dtype.
 
 `MergedAdapters` (below) folds each plain LoRA linear, and each LoRA on an MoE layer's fused experts (experts.py),
-into one weight for the duration of a call (in place and restored bit-exact, or in a copy); in its default mode it decodes each plain LoRA linear over a bitsandbytes 4-bit
-base through `fastgrpo::nf4_lora_linear` instead (the packed weight and the adapters read where they live). What it
-leaves (DoRA, bias LoRA, non-Linear bases, 4-bit bases the kernel does not take, 8-bit bases) runs PEFT's own
-forward with `CompactAdapters`:
+into one weight for the duration of a call (in place and restored bit-exact, or in a copy); in its default mode it
+decodes each plain LoRA linear over a bitsandbytes 4-bit base through `fastgrpo::nf4_lora_linear` instead (the
+packed weight and the adapters read where they live). What it leaves (DoRA, bias LoRA, other non-Linear bases, 4-bit
+bases the kernel does not take, 8-bit bases) runs PEFT's own forward with `CompactAdapters`:
 
 PEFT keeps adapter weights in fp32 beside a bf16 base and casts the input up to them, so with autocast off (the
 engine's setting) every LoRA product of a decode step is an fp32 GEMM. Training runs the same products under bf16
