@@ -249,7 +249,7 @@ def test_only_the_most_recent_environments_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["env-0", "env-1", "env-3", "not-ours"]
 
 
-def test_cuda_graphs_skip_the_host_cpu_vector_probe(monkeypatch):
+def test_cuda_graphs_skip_the_host_cpu_vector_probe():
     """A graph on CUDA compiles its host code (if any) without probing the CPU's vector instructions; a CPU graph
     and a user's own setting are left alone."""
     from torch._inductor import config as inductor_config
@@ -261,8 +261,8 @@ def test_cuda_graphs_skip_the_host_cpu_vector_probe(monkeypatch):
         on_cuda = torch.empty(2, device="cuda")
     assert cpu_vector_probe_off([on_cuda, 3]) == {"cpp.vec_isa_ok": False}
     assert cpu_vector_probe_off([torch.zeros(2), 3]) == {}
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
-    assert cpu_vector_probe_off([on_cuda]) == {}
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):  # (monkeypatch's undo deletes a config entry it set)
+        assert cpu_vector_probe_off([on_cuda]) == {}
 
 
 def test_combo_kernels_on_cuda_graphs_where_asked(monkeypatch):
