@@ -22,7 +22,9 @@ Nothing is cached: every run rebuilds and recompiles every model.
 """
 import gc
 import json
+import logging
 import multiprocessing
+import re
 import signal
 import sys
 import time
@@ -65,6 +67,7 @@ _SHRINK = {
     "index_n_heads": 2, "index_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_heads": 2, "linear_head_dim": 16,
     "swa_num_attention_heads": 2, "swa_num_key_value_heads": 1, "swa_head_dim": 32,
+    "chunk_size": 16, "mamba_chunk_size": 16,  # Mamba-2's scan pads every sequence to a whole chunk
     # per-layer inputs; layers that reuse an earlier layer's keys and values (none of two layers can)
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0,
 }
@@ -124,9 +127,12 @@ def _shrunk(values: dict, small: dict, config_class) -> dict:
     return out
 
 
-def tiny_overrides(arch: str, attempt: int = 0) -> dict:
+def tiny_overrides(arch: str, attempt: int = 0, layers_per_kind: int | None = None) -> dict:
     """Config arguments that make `arch` small enough to run here. Attempt 1 is a fallback for
-    models whose attention needs more (or more key/value) heads: four heads of 16, no grouping."""
+    models whose attention needs more (or more key/value) heads: four heads of 16, no grouping.
+    Decoder layers: one of each layer kind in turn (at least two, at most _MAX_LAYERS), or with `layers_per_kind`
+    that many of each kind (also in a multimodal wrapper's text config), each kind's layers consecutive (as deep
+    models stack them; Dynamo's reason for a recompile then compares a layer with the one before it, of its kind)."""
     config_class = type(transformers.AutoConfig.for_model(ALIASES.get(arch, arch)))
     full = transformers.AutoConfig.for_model(config_class.model_type)
     small = dict(_SMALL)
@@ -143,23 +149,43 @@ def tiny_overrides(arch: str, attempt: int = 0) -> dict:
             overrides["head_dim"] = overrides["qk_rope_head_dim"]  # MLA: head_dim is the rotary width
     if isinstance(defaults.get("rotary_dim"), int):  # an explicit rotary width: rotate half of each head
         overrides["rotary_dim"] = small["hidden_size"] // small["num_attention_heads"] // 2
-    kinds = _distinct_kinds(full)
-    layers = min(_MAX_LAYERS, max([small["num_hidden_layers"], *map(len, kinds.values())]))
-    for name, values in kinds.items():
-        overrides[name] = (values * layers)[:layers]
-    if "num_hidden_layers" in overrides:
-        overrides["num_hidden_layers"] = layers
+    overrides |= _layers(full, overrides, layers_per_kind)
+    text = full.get_text_config()
     for key, sub in defaults.items():  # sub-configs (text, vision, ...): the same small sizes
         if isinstance(sub, dict) and "model_type" in sub:
             sub_config = getattr(full, key)
             overrides[key] = _shrunk(sub | _derived_sizes(sub_config), small | _SHRINK, type(sub_config))
+            if layers_per_kind is not None and sub_config is text:  # a multimodal wrapper's decoder
+                overrides[key] |= _layers(sub_config, overrides[key], layers_per_kind)
     return overrides
 
 
-def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float32, lora: bool = False, attempt: int = 0, seed: int = 0):
-    """A tiny random-init, dropout-free causal LM of `arch` in training mode (optionally with LoRA)."""
+def _layers(config, shrunk: dict, layers_per_kind: int | None) -> dict:
+    """`config`'s layer count (where `shrunk` sets one) and per-layer kind lists: one layer of each kind in turn (at
+    least two, at most _MAX_LAYERS), or `layers_per_kind` of each kind, each kind's layers consecutive."""
+    kinds = _distinct_kinds(config)
+    out = {}
+    if layers_per_kind is None:
+        layers = min(_MAX_LAYERS, max([_SMALL["num_hidden_layers"], *map(len, kinds.values())]))
+        for name, values in kinds.items():
+            out[name] = (values * layers)[:layers]
+    else:
+        layers = layers_per_kind * max([1, *map(len, kinds.values())])
+        for name, values in kinds.items():
+            out[name] = [values[i * len(values) // layers] for i in range(layers)]
+    count = getattr(type(config), "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")  # GPT-2's n_layer
+    if count in shrunk:
+        out[count] = layers
+    return out
+
+
+def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float32, lora: bool = False, attempt: int = 0, seed: int = 0,
+                   layers_per_kind: int | None = None):
+    """A tiny random-init, dropout-free causal LM of `arch` in training mode (optionally with LoRA); decoder layers as
+    `tiny_overrides` builds them."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(ALIASES.get(arch, arch), **tiny_overrides(arch, attempt))
+    overrides = tiny_overrides(arch, attempt, layers_per_kind)
+    config = transformers.AutoConfig.for_model(ALIASES.get(arch, arch), **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     for module in model.modules():  # dropout modules built with a hard-coded rate
         if isinstance(module, nn.Dropout):
@@ -488,8 +514,13 @@ def measure(arch: str, inner: str = "eager", seq_len: int = 8, lora: bool = Fals
                 result["status"] = _status(result)
                 result["capture_flags"] = {"flags": sorted(CAPTURE_FLAGS), "without": without}
         stage = "rollouts"
-        torch._dynamo.reset()
-        result |= measure_rollouts(tiny_causal_lm(arch, attempt=attempt))
+        try:
+            deep = rollout_model(arch, attempt)
+        except Exception as err:  # noqa: BLE001 - the compiled run's row stands
+            result |= {"rollout": "not run", "rollout_reason": f"cannot be built with {rollout_layers_per_kind()} "
+                                                               f"layers of each kind: {_one_line(err)}"}
+        else:
+            result |= measure_rollouts(deep)
     except _Timeout:
         result |= {"status": "error", "reason": f"{stage}: timed out after {timeout} s"}
     except Exception as err:  # noqa: BLE001 - the sweep records every failure and goes on
@@ -513,11 +544,13 @@ ROLLOUT_STATUSES = {
     "model.generate": "the engine cannot run the model: model.generate samples, without per-token log-probs "
                       "(one warning with the reason)",
     "recompiles": "the engine gives model.generate's tokens, but its decode layer compiled after the first decode "
-                  "step or again in the second call",
+                  "step, again in the second call, or past Dynamo's recompile limit (a value per layer in its guards: "
+                  "one graph per layer; the engine then decodes with uncompiled layers); the reason names the guard",
     "differs": "the generator's tokens differ from model.generate's",
     "error": "the generator raised",
     "not run": "transformers' generate fails on the tiny model, where the engine would fall back to it or where "
-               "the model's forward without cache fails too",
+               "the model's forward without cache fails too; or the model cannot be built with that many layers of "
+               "each kind",
 }
 
 
@@ -547,14 +580,74 @@ def forward_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[lis
     return completions
 
 
+def rollout_layers_per_kind() -> int:
+    """Layers of each kind in the rollouts model: one past Dynamo's recompile limit. The engine compiles one decode
+    layer function for every layer; a value per layer in its guards (a mixer's `layer_idx`) compiles a graph per
+    layer, which a full-depth model's many layers of one kind take past the limit and the tiny model's few do not."""
+    return torch._dynamo.config.recompile_limit + 1
+
+
+def rollout_model(arch: str, attempt: int = 0) -> nn.Module:
+    """The model the rollouts column measures: `arch` tiny with `rollout_layers_per_kind()` layers of each kind."""
+    return tiny_causal_lm(arch, attempt=attempt, layers_per_kind=rollout_layers_per_kind())
+
+
+# A recompile reason as Dynamo gives it: "0/7: <guard>  # <code>  # <file:line> in <function> (HINT: ...)".
+_RECOMPILE_REASON = re.compile(r"^\d+/\d+: (?P<guard>.*?)(\s+#\s*(?P<code>.*?)\s+#\s*(?P<where>\S+ in \S+))?(\s+\(|$)")
+# The compile errors the engine falls back from when its decode layer keeps compiling.
+_RECOMPILE_LIMIT_ERRORS = ("FailOnRecompileLimitHit", "RecompileStorm")
+
+
+class _DecodeLayerCompiles(logging.Handler):
+    """While entered: the graphs the engine's decode layer (`_layer_forward`) compiles and, for each recompile (also
+    one refused at the limit), the guard that failed for every graph it had. Read from torch's structured trace
+    ("compilation_metrics" and "recompile_reasons" records), which torch writes only while its logger has a handler."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.graphs = 0
+        self.recompiles: list[list[str]] = []
+
+    def emit(self, record):
+        metadata = getattr(record, "metadata", None) or {}
+        if metadata.get("compilation_metrics", {}).get("co_name") == "_layer_forward":
+            self.graphs += 1
+        if metadata.get("artifact", {}).get("name") == "recompile_reasons":
+            payload = record.payload or ""  # one reason as text, several as a JSON list
+            self.recompiles.append(json.loads(payload) if payload.startswith("[") else [payload])
+
+    def __enter__(self):
+        logging.getLogger("torch.__trace").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("torch.__trace").removeHandler(self)
+
+    def guard(self) -> str | None:
+        """The guard behind the recompiles, as "guard (code, file:line in function)": the latest recompile's first
+        failed guard that compares a value with an integer (a layer index, a token count), else the last recompile's
+        first failed guard (a graph of another layer kind, say)."""
+        for reasons in reversed(self.recompiles):
+            for reason in reasons:
+                match = _RECOMPILE_REASON.match(reason.strip().splitlines()[0] if reason.strip() else "")
+                if match and re.search(r" == -?\d+$", match["guard"]):
+                    return f"{match['guard']} ({match['code']}, {match['where']})" if match["where"] else match["guard"]
+        first = self.recompiles[-1][0].strip().splitlines() if self.recompiles and self.recompiles[-1] else []
+        return first[0][:200] if first else None
+
+
 def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
     """The embedded generator on a tiny model (its weights scaled up in place: peaked logits, so greedy tokens vary
     and ties are unlikely), decode layer compiled with Dynamo's guard-only backend, against model.generate's greedy
-    tokens; two calls. {"rollout": a ROLLOUT_STATUSES key, "rollout_reason": the fallback warning or error, and for
-    "engine" the decode steps it compiled in and the compiles of the second call}."""
+    tokens; two calls. {"rollout": a ROLLOUT_STATUSES key, "rollout_reason": the fallback warning or error, for
+    "recompiles" the graphs and the guard behind them, and for "engine" the decode steps it compiled in and the
+    compiles of the second call}. A value per layer in the decode layer's guards shows as "recompiles" only where the
+    model has more layers of a kind than Dynamo's recompile limit (`rollout_model`)."""
     from fastgrpo.integrations.generation import EmbeddedGenerator, GenerationFallbackWarning
 
+    torch._dynamo.reset()  # graphs of earlier engines stay cached and count towards the recompile limit
     model.eval()
+    layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     vocab = model.config.get_text_config().vocab_size
     with torch.no_grad():
         for p in model.parameters():
@@ -572,7 +665,7 @@ def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
             return {"rollout": "not run", "rollout_reason": f"{_one_line(generate_error)}; {_one_line(err)}"}
     generator = EmbeddedGenerator(model, 0, [eos], max_new_tokens=new_tokens, compile=True, compile_backend="eager")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _DecodeLayerCompiles() as compiled:
             warnings.simplefilter("always")
             first = generator.generate(prompts, temperature=0)
             backend = generator.engine.backend if generator.engine is not None else None
@@ -583,17 +676,46 @@ def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
             return {"rollout": "not run", "rollout_reason": f"model.generate, the fallback: {_one_line(err)}"}
         return {"rollout": "error", "rollout_reason": _one_line(err)}
     notes = [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
-    result = {"rollout_warnings": notes, "rollout_reference": reference}
+    guard = compiled.guard()
+    last_guard = f"; recompiled on {guard}" if guard else ""
+    result = {"rollout_warnings": notes, "rollout_reference": reference, "rollout_layers": layers}
     if first != expected or second != expected:
-        return result | {"rollout": "differs"}
+        return result | {"rollout": "differs", "rollout_reason": _differs_reason(model, prompts, new_tokens, reference,
+                                                                                expected, first, second)}
     if generator.fallback is not None:
+        note = notes[0] if notes else ""
+        limit = [error for error in _RECOMPILE_LIMIT_ERRORS if f"({error}:" in note]
+        if generator.fallback == "eager" and limit:
+            return result | {"rollout": "recompiles", "rollout_reason":
+                             f"{compiled.graphs} graphs of the decode layer for {layers} decoder layers, then "
+                             f"{limit[0]} (the recompile limit): decodes with uncompiled layers{last_guard}"}
         status = "uncompiled layers" if generator.fallback == "eager" else "model.generate"
-        return result | {"rollout": status, "rollout_reason": notes[0] if notes else None}
+        return result | {"rollout": status, "rollout_reason": note or None}
     steps, again = sorted(set(backend.compile_steps)), backend.compiles - compiles
     status = "engine" if set(steps) <= {1} and again == 0 else "recompiles"
-    reason = None if status == "engine" else f"compiled in decode steps {steps}, {again} compile(s) in the second call"
+    reason = None if status == "engine" else \
+        f"compiled in decode steps {steps}, {again} compile(s) in the second call{last_guard}"
     return result | {"rollout": status, "rollout_reason": reason, "rollout_compile_steps": steps,
                      "rollout_recompiles": again}
+
+
+def _differs_reason(model, prompts, new_tokens: int, reference: str, expected, first, second) -> str:
+    """How the generator's tokens differ: between its two calls, or in both from `reference`'s (`expected`); and,
+    against model.generate, whether they are those of the forward without cache (one prompt at a time, no padding:
+    then model.generate's left-padded batch is what differs)."""
+    if first != second:
+        wrong = " and the ".join(name for name, tokens in (("first", first), ("second", second)) if tokens != expected)
+        return f"the two calls give different tokens; the {wrong} call's differ from {reference}'s"
+    if reference != "model.generate":
+        return f"both calls differ from {reference}'s tokens"
+    try:
+        plain = forward_greedy(model, prompts, new_tokens)
+    except Exception as err:  # noqa: BLE001
+        return f"both calls differ from model.generate's tokens; the forward without cache fails: {_one_line(err)}"
+    if plain == first:
+        return ("both calls differ from model.generate's tokens but equal greedy decoding with the forward without "
+                "cache, one prompt at a time (model.generate's left-padded batch differs)")
+    return "both calls differ from model.generate's tokens and from greedy decoding with the forward without cache"
 
 
 def _one_line(err: Exception) -> str:
@@ -723,10 +845,14 @@ def _rollout_section(results: list[dict]) -> list[str]:
     lines = [
         "## Rollouts",
         "",
-        f"Every model built above ({len(rows)}, out-of-scope ones included) also samples 8 greedy tokens for 3 "
-        "left-padded prompts with fastgrpo's embedded generator (its decode layer compiled with Dynamo's guard-only "
-        "backend, `compile_backend=\"eager\"`), twice, against `model.generate` (where transformers' generate fails on "
-        "the tiny model: against greedy decoding with the model's forward without cache).",
+        f"Every model built above ({len(rows)}, out-of-scope ones included), built again with "
+        f"{rollout_layers_per_kind()} consecutive layers of each layer kind (one past Dynamo's recompile limit: the "
+        "engine compiles one decode layer function for every layer, and a value per layer in its guards, such as a "
+        "mixer's `layer_idx`, compiles a graph per layer, which a full-size model's many layers take past the limit), "
+        "also samples 8 greedy tokens for 3 left-padded prompts with fastgrpo's embedded generator (its decode layer "
+        "compiled with Dynamo's guard-only backend, `compile_backend=\"eager\"`), twice, against `model.generate` "
+        "(where transformers' generate fails on the tiny model: against greedy decoding with the model's forward "
+        "without cache).",
         "",
         "| rollouts | count | meaning |",
         "|---|---|---|",

@@ -617,6 +617,32 @@ def test_every_decoder_family_decodes_or_falls_back_with_one_warning(arch):
         assert type(model).__name__ in result["rollout_warnings"][0]
 
 
+def test_the_sweeps_rollout_check_sees_a_decode_graph_per_layer(monkeypatch):
+    """The coverage sweep's rollouts model has more layers of each kind than Dynamo's recompile limit: a decoder layer
+    whose guards read its layer index (one decode graph per layer) hits the limit there, as in a full-size model, and
+    is classified "recompiles" with that guard named, not "engine". Without that value, the same model is "engine"."""
+    import torch._dynamo
+    from transformers.models.llama import modeling_llama
+
+    from bench.coverage import measure_rollouts, rollout_model
+
+    result = measure_rollouts(rollout_model("llama"))
+    assert result["rollout"] == "engine", result
+    assert result["rollout_layers"] == torch._dynamo.config.recompile_limit + 1
+
+    forward = modeling_llama.LlamaAttention.forward
+
+    def forward_reading_layer_idx(self, hidden_states, *args, **kwargs):
+        out, weights = forward(self, hidden_states, *args, **kwargs)
+        return out + 0.0 * self.layer_idx, weights
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward_reading_layer_idx)
+    result = measure_rollouts(rollout_model("llama"))
+    assert result["rollout"] == "recompiles", result
+    assert "FailOnRecompileLimitHit" in result["rollout_reason"]
+    assert "['self_attn'].layer_idx == " in result["rollout_reason"], result["rollout_reason"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_cuda_graph_decode_matches_model_generate(arch, monkeypatch):
