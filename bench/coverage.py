@@ -647,8 +647,8 @@ def measure_rollouts(model: nn.Module, new_tokens: int = 8) -> dict:
 
     torch._dynamo.reset()  # graphs of earlier engines stay cached and count towards the recompile limit
     model.eval()
-    layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-    vocab = model.config.get_text_config().vocab_size
+    text = model.config.get_text_config()
+    layers, vocab = getattr(text, "num_hidden_layers", None), text.vocab_size
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
