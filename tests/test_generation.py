@@ -292,6 +292,61 @@ def test_cache_is_reused_and_grown_only_when_needed():
     assert attention._fastgrpo_kv[0].shape[2] == 3 * max(PROMPT_LENGTHS) + 8
 
 
+class _TensorsRead(torch.utils._python_dispatch.TorchDispatchMode):
+    """The storages of the tensors ops read that no op of the block made (what a captured step reads from outside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.read = set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.made:
+                self.read.setdefault(value.untyped_storage().data_ptr(), (value.untyped_storage(), func, value.shape))
+        for value in torch.utils._pytree.tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self.made.add(value.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])  # attention caches; and linear-attention states, experts
+def test_a_decode_step_reads_the_same_tensors_in_every_call(arch, monkeypatch):
+    """A captured decode step replays in later calls reading the addresses it was captured with: every tensor the step
+    reads that it did not make must be the same one in each call (a tensor made per call, such as the EOS ids once
+    were, leaves the replay reading freed memory: on an H100 a padded row read another tensor's values as EOS ids and
+    stopped in Qwen3-Next's second call). Eager steps on CPU, the first call's tensors kept alive so none is reused."""
+    from fastgrpo.integrations.generation import engine as engine_module
+
+    reads = []
+    original = engine_module.RolloutEngine._step
+
+    def step(self, *args):
+        if self.steps == len(reads) * 3 + 2:  # the second decode step of each call (3 steps a call)
+            with _TensorsRead() as mode:
+                original(self, *args)
+            reads.append(mode.read)
+            return
+        original(self, *args)
+
+    monkeypatch.setattr(engine_module.RolloutEngine, "_step", step)
+    if arch == "llama":
+        model, batch = tiny_lm("llama"), prompts()
+    else:
+        from bench.coverage import tiny_causal_lm
+
+        model = tiny_causal_lm(arch).eval()
+        vocab = model.config.get_text_config().vocab_size
+        batch = [[3 + t % (vocab - 3) for t in p] for p in prompts()] * 2  # repeats: prefill rows spread
+    generator = EmbeddedGenerator(model, PAD, [10**6], max_new_tokens=4, compile=False)
+    for _ in range(3):  # the first call's steps also feed the engine's check (its eager probe): compare the others
+        generator.generate(batch, temperature=0)
+    assert len(reads) == 3
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    second, third = (set(read) - parameters for read in reads[1:])
+    assert second and third == second, [reads[2][k][1:] for k in third - second]
+
+
 def test_release_memory_frees_the_cache_between_calls_and_compiles_nothing_again():
     torch._dynamo.reset()
     model = with_lora(tiny_lm("qwen2"))

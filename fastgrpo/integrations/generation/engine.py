@@ -153,6 +153,7 @@ class _Buffers:
     finished: torch.Tensor  # [rows] bool
     completion: torch.Tensor  # [rows, max_new_tokens]
     logprobs: torch.Tensor  # [rows, max_new_tokens] fp32: log-prob of each sampled token (temperature applied)
+    eos: torch.Tensor  # the EOS token ids (kept, like every tensor a captured step reads: a later call replays it)
     seen: torch.Tensor | None = None  # [rows, vocab] bool, for the repetition penalty
     batches: dict = field(default_factory=dict)  # size -> _Batch
     weights: tuple = ()  # the adapter copies' versions the captured graphs read
@@ -232,6 +233,7 @@ class RolloutEngine:
                 last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
                 completion=torch.zeros(rows, self.max_new_tokens, **long),
                 logprobs=torch.zeros(rows, self.max_new_tokens, device=device),
+                eos=torch.tensor(self.eos_token_ids, device=device),
             )  # fmt: skip
             self._buffers = b
         if penalty and (b.seen is None or b.seen.shape[1] != vocab):
@@ -318,7 +320,6 @@ class RolloutEngine:
         b.logprobs.zero_()
         if penalty:  # as transformers' RepetitionPenaltyLogitsProcessor: every token of the padded prompt row
             b.seen.zero_()[:batch].scatter_(1, input_ids, True)
-        eos = torch.tensor(self.eos_token_ids, device=device)
         self._probe = [] if self._verify else None
         if self._probe is not None:  # up to two of the longest prompts, and the most padded one
             longest, shortest = torch.nonzero(start == start.min())[:2, 0], torch.argmax(start)[None]
@@ -342,7 +343,7 @@ class RolloutEngine:
                 self._probe[0] = self._probe[0][source[self._probe_rows]]
             first, first_logprobs = sample(logits, sampling, b.seen[:batch] if penalty else None)
             b.last[:batch] = first
-            b.finished[:batch] = torch.isin(first, eos)
+            b.finished[:batch] = torch.isin(first, b.eos)
             b.completion[:batch, 0] = first
             b.logprobs[:batch, 0] = first_logprobs
             if penalty:
@@ -370,7 +371,7 @@ class RolloutEngine:
                                     states.reorder(position[order[:size]])
                             current = self._batch(b, size)
                             current.rows.copy_(order[:size])
-                    self._run(decoder, current, b, sampling, eos)
+                    self._run(decoder, current, b, sampling)
                     generated += 1
         if self._probe:
             self._check(decoder, input_ids, b, generated)
@@ -417,7 +418,7 @@ class RolloutEngine:
             self._probe_dtype = logits.dtype if logits.dtype in _MISMATCH_KL else torch.float16
         return logits
 
-    def _step(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling, eos: torch.Tensor) -> None:
+    def _step(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling) -> None:
         """One decode step for `batch.rows`: feed each row's last token, sample the next, book-keep EOS."""
         rows = batch.rows
         state = b.state
@@ -438,17 +439,17 @@ class RolloutEngine:
         b.last[rows] = tokens
         b.completion[rows, column] = tokens
         b.logprobs[rows, column] = logprobs.masked_fill(done, 0.0)
-        b.finished[rows] = done | torch.isin(tokens, eos)
+        b.finished[rows] = done | torch.isin(tokens, b.eos)
         if seen is not None:
             b.seen[rows, tokens] = True
 
-    def _run(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling, eos: torch.Tensor) -> None:
+    def _run(self, decoder, batch: _Batch, b: _Buffers, sampling: Sampling) -> None:
         self.steps += 1
         if self.backend is not None:
             self.backend.step = self.steps
         self._cache.seen_tokens += 1
         if not self.cuda_graphs:
-            self._step(decoder, batch, b, sampling, eos)
+            self._step(decoder, batch, b, sampling)
             return
         if batch.graph is not None and batch.graph[0] == sampling:
             batch.graph[1].replay()
@@ -457,13 +458,13 @@ class RolloutEngine:
             # The first step of a batch size and sampling runs eagerly: it compiles and warms up what the capture
             # records (nothing may compile while a stream captures), and feeds the check.
             batch.warmed.add(sampling)
-            self._step(decoder, batch, b, sampling, eos)
+            self._step(decoder, batch, b, sampling)
             return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured, pool=self._pool):
-            self._step(decoder, batch, b, sampling, eos)
+            self._step(decoder, batch, b, sampling)
         batch.graph = (sampling, captured)
         captured.replay()  # capturing records the step without running it
 
