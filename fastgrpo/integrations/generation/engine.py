@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,15 @@ def round_up(n: int, multiple: int) -> int:
 
 def _layer_forward(layer: nn.Module, *args, **kwargs):
     return layer.forward(*args, **kwargs)
+
+
+def own_code(fn):
+    """`fn` with a code object of its own. Dynamo keeps compiled graphs, and counts them against its recompile limit
+    (8), per code object: engines compiling one shared function would share one cache and one limit, and a process with
+    several engines (a trainer's and another, or a test's reference and the engine under test) would exceed it."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return copy
 
 
 def embed_and_forward(decoder: nn.Module, input_ids: torch.Tensor, **kwargs):
@@ -191,14 +201,14 @@ class RolloutEngine:
         self.min_batch = min_batch
         self.backend = _CountingBackend(backend, compile_limit, backend_options) if compile_layers else None
         self._compiled_layer = (
-            torch.compile(_layer_forward, backend=self.backend, fullgraph=True) if compile_layers else None
+            torch.compile(own_code(_layer_forward), backend=self.backend, fullgraph=True) if compile_layers else None
         )
         compile_sampling = compile_layers if compile_sampling is None else compile_sampling
         self.sampling_backend = (
             _CountingBackend("eager" if backend == "eager" else "inductor", compile_limit) if compile_sampling else None
         )
-        self._sample = torch.compile(sample, backend=self.sampling_backend, fullgraph=True) if compile_sampling \
-            else sample
+        self._sample = (torch.compile(own_code(sample), backend=self.sampling_backend, fullgraph=True)
+                        if compile_sampling else sample)
         self._verify = verify
         self._probe: list[torch.Tensor] | None = None  # logits kept for the check: prefill's, first step's
         self._buffers: _Buffers | None = None
