@@ -12,8 +12,10 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import fastgrpo
+from fastgrpo.compiler import offload
 from fastgrpo.compiler.regions import repeated_blocks
 from fastgrpo.compiler.tiny import tiny_model
 from fastgrpo.compiler.offload import (
@@ -99,6 +101,87 @@ def test_equals_plain_and_hf_checkpointing(arch, lora):
             torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
     assert all(block.gradient_checkpointing for block in repeated_blocks(model))
     assert offload_handle(model) is None
+
+
+def test_dropout_masks_are_replayed_in_the_recompute():
+    """Attention dropout draws from the RNG in the forward; the recompute must draw the same masks (the forward's RNG
+    state restored), so the step equals one without checkpointing from the same seed, to the bit."""
+    model = make("llama", lora=True, attention_dropout=0.3)
+    ids, mask = batch()
+    torch.manual_seed(7)
+    reference = step(model, ids, mask)
+    with enable_offloaded_checkpointing(model):
+        torch.manual_seed(7)
+        offloaded = step(model, ids, mask)
+        torch.manual_seed(8)
+        other_seed = step(model, ids, mask)
+    assert_same(reference, offloaded, rtol=0, atol=0)
+    assert other_seed[0] != reference[0]  # the masks matter
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, scale):
+        return torch.tanh(self.linear(hidden_states)) * scale
+
+
+class _ScaledStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Scaled() for _ in range(3))
+
+    def forward(self, x, scale):
+        for layer in self.layers:
+            x = layer(x, scale)
+        return x
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("scale_needs_grad", [True, False])
+def test_a_layer_input_besides_the_hidden_states_that_requires_grad_gets_its_gradient(lean, scale_needs_grad,
+                                                                                       monkeypatch):
+    """`_LayerCheckpoint`'s node takes the hidden states and the parameters as inputs; a layer called with another
+    input that requires grad goes through torch's checkpoint instead, and that input's gradient is right."""
+    monkeypatch.setattr(offload, "LEAN_CHECKPOINT", lean)
+    model = _ScaledStack()
+    x = torch.randn(4, 8, requires_grad=True)
+    nodes = []
+
+    def grads_of():
+        scale = torch.tensor(1.5, requires_grad=scale_needs_grad)
+        model.zero_grad()
+        x.grad = None
+        out = model(x, scale)
+        nodes.append(type(out.grad_fn).__name__)
+        out.square().sum().backward()
+        return [scale.grad, x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    expected = grads_of()
+    with enable_offloaded_checkpointing(model) as handle:
+        got = grads_of()
+        assert handle.stats.offloaded == 2
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (nodes[1] == "_LayerCheckpointBackward") == (lean and not scale_needs_grad)
+
+
+def test_a_recomputed_output_is_freed_only_where_its_graph_did_not_save_it():
+    """The recompute's layer output is the root of `torch.autograd.grad`, which needs its graph, not its values: its
+    memory is freed unless the compiled region's node saved it for its own backward."""
+    torch._dynamo.reset()
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    out = torch.compile(lambda x, w: x @ w + 1, backend="aot_eager")(x, w)
+    assert offload._release_values(out, x) and out.untyped_storage().nbytes() == 0
+    (grad,) = torch.autograd.grad(out, [w], torch.ones(3, 4))
+    torch.testing.assert_close(grad, x.t() @ torch.ones(3, 4))
+    out = torch.compile(lambda x, w: torch.exp(x @ w), backend="aot_eager")(x, w)  # exp's backward reads its output
+    assert not offload._release_values(out, x) and out.untyped_storage().nbytes() > 0
+    assert not offload._release_values(x @ w, x)  # an eager node: its saved tensors are not checked, so kept
 
 
 def hf_checkpoint_must_not_run(*args, **kwargs):
@@ -241,12 +324,12 @@ def test_layer_inputs_live_in_host_buffers():
     model = make("llama", lora=True)
     ids, mask = batch()
     handle = enable_offloaded_checkpointing(model)
-    inputs = {}  # layer -> (weak reference to the input tensor, a copy of its values)
+    inputs = {}  # layer -> (weak reference to the input's storage, a copy of its values)
 
     def record(layer):
         def hook(module, args):
-            if layer not in inputs:  # the forward call, not the recompute
-                inputs[layer] = (weakref.ref(args[0]), args[0].detach().clone())
+            if layer not in inputs:  # the forward call, not the recompute (the layer may see an alias of its input)
+                inputs[layer] = (weakref.ref(args[0].untyped_storage()), args[0].detach().clone())
         return hook
 
     hooks = [block.register_forward_pre_hook(record(i)) for i, block in enumerate(repeated_blocks(model))]

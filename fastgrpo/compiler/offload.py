@@ -2,9 +2,14 @@
 
 Under plain (non-reentrant) gradient checkpointing the one tensor a decoder layer keeps between
 forward and backward is its input hidden states, [batch, tokens, hidden]. At 16k-token GRPO rows on
-a 1.5B model that is 28 x 0.4 GB, most of the step's memory. Here every layer still runs under
-`torch.utils.checkpoint(use_reentrant=False)`, and a saved-tensors hook moves that one input to a
-host buffer (as Unsloth's offloaded gradient checkpointing does):
+a 1.5B model that is 28 x 0.4 GB, most of the step's memory. Here every layer call is one autograd node
+(`_LayerCheckpoint`) that holds that one input in a host buffer (as Unsloth's offloaded gradient checkpointing
+does) and, in the backward, runs the layer again and differentiates it; its inputs are the hidden states and the
+parameters the layer's graph reached, so gradients are those of torch's non-reentrant checkpoint (the forward runs
+the same graph as the recompute, with grad enabled, and drops it at once). Unlike torch's checkpoint it runs no
+Python per saved tensor: a short step is bound by the host (LEAN_CHECKPOINT). A layer with another input that
+requires grad goes through `torch.utils.checkpoint(use_reentrant=False)` with a saved-tensors hook that moves the
+input instead. Either way:
 
 - forward: the device-to-host copy runs on a side stream while the layer computes; the device
   tensor is freed as soon as the copy has read it (`record_stream`);
@@ -42,19 +47,19 @@ While enabled, each layer's HF checkpointing flag (`layer.gradient_checkpointing
 reads) switches *offloaded* checkpointing on and off for that layer: HF's own checkpoint never nests
 inside ours, and code that toggles checkpointing around generation (TRL, HF Trainer, PEFT's
 `prepare_model_for_kbit_training`) pauses and resumes offloading. Enabling turns it on;
-`gradient_checkpointing_kwargs` (reentrant, HF's `offload=`) are ignored: this is always
-non-reentrant. HF's `enable_input_require_grads` is not needed (that is for reentrant checkpointing); where it
+`gradient_checkpointing_kwargs` (reentrant, HF's `offload=`) are ignored. HF's `enable_input_require_grads` is
+not needed (it is for torch's reentrant checkpoint, whose node has no parameter inputs); where it
 is on (PEFT's `gradient_checkpointing_enable` turns it on), the input embeddings return a leaf that requires grad,
 and a leaf's AccumulateGrad node would hold it (layer 0's input: tokens x hidden) on the device until backward,
 besides its host copy. While offloading, that output is swapped for an alias that requires grad without being a leaf
 (`_GradWithoutLeaf`): the same values and layer graphs, no gradient for a tensor nothing reads, nothing held.
-Gradients are exactly those of plain non-reentrant checkpointing: `loss.backward()`,
-`torch.autograd.grad` and `retain_graph` all work, and RNG state and autocast are replayed by torch's
-checkpoint as usual. Other layer inputs (attention
-masks, position embeddings) are shared by all layers and small; they stay where they are.
+Gradients are exactly those of plain non-reentrant checkpointing: `loss.backward()`, `torch.autograd.grad` and
+`retain_graph` all work, and the forward's RNG state and autocast are replayed in the recompute. Other layer inputs
+(attention masks, position embeddings) are shared by all layers and small; they stay where they are.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -74,6 +79,11 @@ from fastgrpo.kernels._dispatch import (KeptOutputs, after_backward_peak, cancel
 # back of the layer before's input and kept outputs starts there rather than when the layer's recompute starts: the
 # copies, two [tokens, hidden] tensors, then never sit beside the MLP backward's buffers (the step's peak).
 PREFETCH_AFTER_BACKWARD_PEAK = True
+# Offloaded layers checkpoint through `_LayerCheckpoint`, one autograd node a layer call, rather than torch's
+# non-reentrant checkpoint, whose saved-tensor hooks run Python for each of the tensors a layer's graph saves (~40),
+# in the forward and again in the backward. A short step is bound by that host time (bench/RESULTS.md, "Where the 0.5B
+# step at 1024 waits"). A/B: `python bench/grpo_step.py --ab fastgrpo.compiler.offload.LEAN_CHECKPOINT=False`.
+LEAN_CHECKPOINT = True
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"
 _ABSENT = object()  # a layer had no instance value of HF's checkpointing flag
@@ -235,6 +245,149 @@ class _GradWithoutLeaf(torch.autograd.Function):
         return None, None
 
 
+def _other_inputs_need_grad(args: tuple, kwargs: dict) -> bool:
+    """Whether a layer input besides the hidden states (one level into tuples and lists) requires grad."""
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                return True
+    return False
+
+
+def _autocast_state(device_type: str) -> dict:
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+
+
+def _graph_leaves(outputs, exclude: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that require grad whose gradient accumulates at the leaves of the graph behind `outputs` (the
+    layer's parameters it used), `exclude` left out; in the order first found."""
+    leaves, seen = {}, set()
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            if variable is not exclude:
+                leaves.setdefault(id(variable), variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def _release_values(output: torch.Tensor, layer_input: torch.Tensor) -> bool:
+    """Free the memory of a recomputed layer output whose values nothing reads: `torch.autograd.grad` needs its graph
+    and shape only, and torch's checkpoint drops the recompute's outputs too (a [tokens, hidden] tensor less at the
+    backward's peak). Only where the output owns its whole storage, is not the layer input's, and its node (a compiled
+    region's, whose saved tensors Python can see) did not save it. Returns whether it freed."""
+    node = output.grad_fn
+    saved = getattr(node, "saved_tensors", None) if type(node).__name__ == "CompiledFunctionBackward" else None
+    storage = output.untyped_storage()
+    address = storage.data_ptr()
+    if (saved is None or output._base is not None or storage.nbytes() != output.numel() * output.element_size()
+            or address == layer_input.untyped_storage().data_ptr()
+            or any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == address for t in saved)):
+        return False
+    storage.resize_(0)
+    return True
+
+
+class _LayerCall:
+    """One checkpointed call of a layer through `_LayerCheckpoint`: the layer's call and other inputs, the forward's
+    RNG and autocast state, the leaves its graph reached. Its input and the frame of kept outputs are held by the
+    node's saved tensor (a `_SavedInput`), so autograd frees them after the backward, as it frees saved tensors."""
+
+    __slots__ = ("handle", "layer", "frame", "forward", "args", "kwargs", "rng", "autocast", "leaves", "outputs")
+
+    def __init__(self, handle, layer, frame, forward, args, kwargs):
+        self.handle, self.layer, self.forward = handle, layer, forward
+        self.frame = weakref.ref(frame)
+        self.args, self.kwargs = args, kwargs
+        self.rng = self.autocast = self.leaves = self.outputs = None
+
+    def run(self, hidden: torch.Tensor, requires_grad: bool, frame: _KeptFrame):
+        """The layer on `hidden` (detached, requiring grad as asked) with grad enabled: the same compiled graph in the
+        forward as in the recompute, so both compute the same values. Returns (that input, the output)."""
+        x = hidden.detach().requires_grad_(requires_grad)
+        with torch.enable_grad(), keeping_outputs(frame):
+            return x, self.forward(x, *self.args, **self.kwargs)
+
+    def checkpointed(self, hidden: torch.Tensor):
+        """The forward: state stashed, the input to the handle (its copy to the host starts before the layer runs),
+        the layer run, its graph's leaves found and the graph dropped; the outputs come back from `_LayerCheckpoint`,
+        whose inputs are `hidden` and those leaves."""
+        device_type = hidden.device.type
+        self.autocast = [_autocast_state(device_type)] + ([_autocast_state("cpu")] if device_type != "cpu" else [])
+        devices = [hidden.device] if device_type == "cuda" and torch.cuda.is_initialized() else []
+        self.rng = (torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices])
+        frame = self.frame()
+        saved = self.handle._saved_input(hidden, self.layer, frame)
+        x, out = self.run(hidden, hidden.requires_grad, frame)
+        outputs = (out,) if isinstance(out, torch.Tensor) else out
+        if not isinstance(outputs, tuple):
+            raise TypeError(f"offloaded checkpointing: a decoder layer returned {type(out).__name__}, not a tensor "
+                            "or a tuple")
+        self.leaves = _graph_leaves(outputs, x)
+        self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
+            v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
+        del x, out, outputs  # the forward's graph and what it saved go here
+        handle = self.handle
+        handle._presaved = (hidden, saved)
+        del saved
+        try:
+            with saved_tensors_hooks(handle._pack_presaved, handle._unpack):  # hooks that hold no tensor
+                return _LayerCheckpoint.apply(self, hidden, *self.leaves)
+        finally:
+            handle._presaved = None
+            self.outputs = None  # the node's outputs hold the node, which holds this call: no cycle through them
+
+
+class _LayerCheckpoint(torch.autograd.Function):
+    """A checkpointed layer call as one autograd node, whose inputs are the hidden states and the leaves that require
+    grad which the layer's graph reached (its parameters). The forward ran in `_LayerCall.checkpointed` (the values
+    are the node's outputs). Backward: the input comes back from the handle, the layer runs again inside
+    `checkpoint_recompute()` under the forward's RNG and autocast state, and `torch.autograd.grad` of that graph gives
+    the gradients the node returns (so `torch.autograd.grad` from outside and `retain_graph` work as with torch's
+    checkpoint)."""
+
+    @staticmethod
+    def forward(ctx, call: _LayerCall, hidden: torch.Tensor, *leaves: torch.Tensor):
+        ctx.call = call
+        ctx.save_for_backward(hidden)  # the hooks of `checkpointed` store the `_SavedInput` made for it
+        return call.outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        call = ctx.call
+        needs = ctx.needs_input_grad
+        (hidden,) = ctx.saved_tensors  # the handle's unpack: the copy back, and the prefetch of the layer before's
+        frame = call.frame()
+        frame.start_replay()
+        cpu_state, devices, device_states = call.rng
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as stack:
+            torch.set_rng_state(cpu_state)
+            for device, state in zip(devices, device_states):
+                torch.cuda.set_rng_state(state, device)
+            for state in call.autocast:
+                stack.enter_context(torch.autocast(**state))
+            with checkpoint_recompute():
+                x, out = call.run(hidden, needs[1], frame)
+            del hidden
+            outputs = (out,) if isinstance(out, torch.Tensor) else out
+            pairs = [(o, g) for o, g in zip(outputs, grads)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            for o, _ in pairs:
+                _release_values(o, x)
+            inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(call.leaves, needs[2:]) if need]
+            found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                         if pairs and inputs else [None] * len(inputs))
+        return (None, next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:]))
+
+
 class OffloadHandle:
     """Offloaded checkpointing on one model's repeated blocks; `disable()` undoes it."""
 
@@ -245,6 +398,7 @@ class OffloadHandle:
         self._slots: dict[int | tuple[int, int], list[_HostSlot]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._target: tuple[torch.Tensor, int] | None = None  # (input, layer) the pack hook waits for
+        self._presaved: tuple[torch.Tensor, _SavedInput] | None = None  # (input, its holder) `_pack_presaved` waits for
         self._last: weakref.ref | None = None  # the most recent saved input
         self._enabled = True
         self._hooks: list = []  # on the input embeddings (watch_input_embeddings)
@@ -324,6 +478,8 @@ class OffloadHandle:
                 f"argument or as `{HIDDEN_KWARG}=`; cannot tell which input to offload"
             )
         frame = _KeptFrame(self, layer)
+        if LEAN_CHECKPOINT and not _other_inputs_need_grad(rest, kwargs):
+            return _LayerCall(self, layer, frame, forward, rest, kwargs).checkpointed(hidden)
         run = marking_recomputes(forward, frame)
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
@@ -339,6 +495,17 @@ class OffloadHandle:
             return tensor
         _, layer, frame = self._target
         self._target = None  # hold no reference to the device tensor
+        return self._saved_input(tensor, layer, frame)
+
+    def _pack_presaved(self, tensor: torch.Tensor):
+        """`_LayerCheckpoint`'s pack hook: its hidden states become the `_SavedInput` made before the layer ran."""
+        if self._presaved is None or tensor is not self._presaved[0]:
+            return tensor
+        saved, self._presaved = self._presaved[1], None
+        return saved
+
+    def _saved_input(self, tensor: torch.Tensor, layer: int, frame: _KeptFrame) -> _SavedInput:
+        """`tensor`, layer `layer`'s input, held for its backward (host copy or kept), linked to the layer before's."""
         last = self._last() if self._last is not None else None
         previous = self._last if last is not None and last.layer == layer - 1 else None
         saved = _SavedInput(layer, previous, frame, **self._hold(tensor, layer, output=False))
