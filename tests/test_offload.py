@@ -8,6 +8,7 @@ HF's checkpointing flag must switch the offloading (never nest HF's checkpoint i
 `fastgrpo_offload_checkpointing` must give the same loss and LoRA gradients as without it.
 """
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -167,6 +168,54 @@ def test_a_layer_input_besides_the_hidden_states_that_requires_grad_gets_its_gra
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert (nodes[1] == "_LayerCheckpointBackward") == (lean and not scale_needs_grad)
+
+
+class _Nested(_Scaled):
+    def forward(self, hidden_states, scale):
+        out = super().forward(hidden_states, scale)
+        return out, (out.sum(),)  # a nested tuple: not what the checkpoint node returns
+
+
+class _NestedStack(_ScaledStack):
+    def __init__(self):
+        nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Nested() for _ in range(3))
+
+    def forward(self, x, scale):
+        total = 0
+        for layer in self.layers:
+            x, (partial,) = layer(x, scale)
+            total = total + partial
+        return x, total
+
+
+def test_a_layer_whose_output_is_nested_falls_back_to_torchs_checkpoint_once_with_a_warning():
+    model = _NestedStack()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def grads_of():
+        model.zero_grad()
+        x.grad = None
+        out, total = model(x, 1.5)
+        (out.square().sum() + total).backward()
+        return [x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    expected = grads_of()
+    with enable_offloaded_checkpointing(model) as handle:
+        with pytest.warns(UserWarning, match=r"_Nested \(layer 0\) runs under torch.utils.checkpoint.*a tuple of "
+                                             r"\(Tensor, tuple\)") as caught:
+            got = grads_of()
+        assert sum("runs under torch.utils.checkpoint" in str(w.message) for w in caught) == 3  # once a layer
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = grads_of()
+        # Two offloaded layers (the last one's input is kept), copied twice in the first call (the node's attempt,
+        # then torch's checkpoint) and once in the second.
+        assert handle.stats.offloaded == 6
+    for a, b, c in zip(got, expected, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(c, b, rtol=0, atol=0)
 
 
 def test_a_recomputed_output_is_freed_only_where_its_graph_did_not_save_it():

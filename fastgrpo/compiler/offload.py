@@ -295,6 +295,16 @@ def _release_values(output: torch.Tensor, layer_input: torch.Tensor) -> bool:
     return True
 
 
+class _NotFlat(Exception):
+    """A layer's output that `_LayerCheckpoint` cannot return as its outputs (the node's outputs are flat tensors)."""
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
 class _LayerCall:
     """One checkpointed call of a layer through `_LayerCheckpoint`: the layer's call and other inputs, the forward's
     RNG and autocast state, the leaves its graph reached. Its input and the frame of kept outputs are held by the
@@ -327,9 +337,9 @@ class _LayerCall:
         saved = self.handle._saved_input(hidden, self.layer, frame)
         x, out = self.run(hidden, hidden.requires_grad, frame)
         outputs = (out,) if isinstance(out, torch.Tensor) else out
-        if not isinstance(outputs, tuple):
-            raise TypeError(f"offloaded checkpointing: a decoder layer returned {type(out).__name__}, not a tensor "
-                            "or a tuple")
+        if not isinstance(outputs, tuple) or not all(v is None or isinstance(v, (torch.Tensor, int, float, bool, str))
+                                                     for v in outputs):
+            raise _NotFlat(f"it returned {_describe(out)}, not a tensor or a tuple of tensors")
         self.leaves = _graph_leaves(outputs, x)
         self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
             v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
@@ -477,9 +487,16 @@ class OffloadHandle:
                 f"offloaded checkpointing: {type(block).__name__} was called without a tensor as its first "
                 f"argument or as `{HIDDEN_KWARG}=`; cannot tell which input to offload"
             )
+        state = block.__dict__["_fastgrpo_offload"]
+        if LEAN_CHECKPOINT and state.lean and not _other_inputs_need_grad(rest, kwargs):
+            frame = _KeptFrame(self, layer)  # held here until the node's saved input holds it
+            try:
+                return _LayerCall(self, layer, frame, forward, rest, kwargs).checkpointed(hidden)
+            except _NotFlat as reason:  # once a layer: its calls take torch's checkpoint from here on
+                state.lean = False
+                warnings.warn(f"offloaded checkpointing: {type(block).__name__} (layer {layer}) runs under "
+                              f"torch.utils.checkpoint, not fastgrpo's checkpoint node: {reason}", stacklevel=2)
         frame = _KeptFrame(self, layer)
-        if LEAN_CHECKPOINT and not _other_inputs_need_grad(rest, kwargs):
-            return _LayerCall(self, layer, frame, forward, rest, kwargs).checkpointed(hidden)
         run = marking_recomputes(forward, frame)
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
@@ -638,6 +655,7 @@ class _BlockState:
     call: object  # the layer's call without HF's checkpointing (see _uncheckpointed_call)
     hf_flag: object  # the instance's own HF checkpointing flag before enabling, or _ABSENT (restored by disable)
     active: bool = True  # what `layer.gradient_checkpointing` reads while enabled
+    lean: bool = True  # calls go through `_LayerCheckpoint` (off once its output was not a tensor or a flat tuple)
 
 
 @torch._dynamo.disable
