@@ -301,6 +301,8 @@ class _TensorsRead(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.lift_fresh.default:  # a constant the step made (`x[i] = False`): not a read
+            args = ()
         for value in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.made:
                 self.read.setdefault(value.untyped_storage().data_ptr(), (value.untyped_storage(), func, value.shape))
@@ -310,8 +312,12 @@ class _TensorsRead(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])  # attention caches; and linear-attention states, experts
-def test_a_decode_step_reads_the_same_tensors_in_every_call(arch, monkeypatch):
+@pytest.mark.parametrize("arch,sampling", [
+    ("llama", dict(temperature=0)),
+    ("llama", dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01, repetition_penalty=1.3)),  # the filters' buffers
+    ("qwen3_next", dict(temperature=0)),  # linear-attention states, experts
+])
+def test_a_decode_step_reads_the_same_tensors_in_every_call(arch, sampling, monkeypatch):
     """A captured decode step replays in later calls reading the addresses it was captured with: every tensor the step
     reads that it did not make must be the same one in each call (a tensor made per call, such as the EOS ids once
     were, leaves the replay reading freed memory: on an H100 a padded row read another tensor's values as EOS ids and
@@ -340,7 +346,7 @@ def test_a_decode_step_reads_the_same_tensors_in_every_call(arch, monkeypatch):
         batch = [[3 + t % (vocab - 3) for t in p] for p in prompts()] * 2  # repeats: prefill rows spread
     generator = EmbeddedGenerator(model, PAD, [10**6], max_new_tokens=4, compile=False)
     for _ in range(3):  # the first call's steps also feed the engine's check (its eager probe): compare the others
-        generator.generate(batch, temperature=0)
+        generator.generate(batch, **sampling)
     assert len(reads) == 3
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     second, third = (set(read) - parameters for read in reads[1:])
