@@ -120,6 +120,27 @@ def test_dropout_masks_are_replayed_in_the_recompute():
     assert other_seed[0] != reference[0]  # the masks matter
 
 
+def test_under_autocast_the_gradients_equal_torchs_checkpoint():
+    """The recompute replays the forward's autocast; the backward of the recomputed graph runs as torch's checkpoint
+    runs it, under the backward's own state (autocast off), not the forward's: equal to the bit."""
+    model = make("llama", lora=True)
+    ids, mask = batch()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def autocast_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, ids, mask)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    reference = autocast_step()
+    with enable_offloaded_checkpointing(model):
+        offloaded = autocast_step()
+    assert_same(reference, offloaded, rtol=0, atol=0)
+
+
 class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -386,15 +386,17 @@ class _LayerCheckpoint(torch.autograd.Function):
                 stack.enter_context(torch.autocast(**state))
             with checkpoint_recompute():
                 x, out = call.run(hidden, needs[1], frame)
-            del hidden
-            outputs = (out,) if isinstance(out, torch.Tensor) else out
-            pairs = [(o, g) for o, g in zip(outputs, grads)
-                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            for o, _ in pairs:
-                _release_values(o, x)
-            inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(call.leaves, needs[2:]) if need]
-            found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-                         if pairs and inputs else [None] * len(inputs))
+        del hidden
+        # The recomputed graph's backward runs outside the forward's autocast and RNG state, as torch's checkpoint
+        # runs it: under the backward's own.
+        outputs = (out,) if isinstance(out, torch.Tensor) else out
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        for o, _ in pairs:
+            _release_values(o, x)
+        inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(call.leaves, needs[2:]) if need]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                     if pairs and inputs else [None] * len(inputs))
         return (None, next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:]))
 
 
