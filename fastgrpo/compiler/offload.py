@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
 from fastgrpo.kernels._dispatch import (KeptOutputs, after_backward_peak, cancel_after_backward_peak,
@@ -331,8 +331,7 @@ class _LayerCall:
         whose inputs are `hidden` and those leaves."""
         device_type = hidden.device.type
         self.autocast = [_autocast_state(device_type)] + ([_autocast_state("cpu")] if device_type != "cpu" else [])
-        devices = [hidden.device] if device_type == "cuda" and torch.cuda.is_initialized() else []
-        self.rng = (torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices])
+        self.rng = (torch.get_rng_state(), *get_device_states(hidden))  # as torch's checkpoint stashes them
         frame = self.frame()
         saved = self.handle._saved_input(hidden, self.layer, frame)
         x, out = self.run(hidden, hidden.requires_grad, frame)
@@ -345,13 +344,13 @@ class _LayerCall:
             v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
         del x, out, outputs  # the forward's graph and what it saved go here
         handle = self.handle
-        handle._presaved = (hidden, saved)
+        handle._target = (hidden, saved)
         del saved
         try:
-            with saved_tensors_hooks(handle._pack_presaved, handle._unpack):  # hooks that hold no tensor
+            with saved_tensors_hooks(handle._pack, handle._unpack):  # hooks that hold no tensor
                 return _LayerCheckpoint.apply(self, hidden, *self.leaves)
         finally:
-            handle._presaved = None
+            handle._target = None
             self.outputs = None  # the node's outputs hold the node, which holds this call: no cycle through them
 
 
@@ -378,10 +377,10 @@ class _LayerCheckpoint(torch.autograd.Function):
         frame = call.frame()
         frame.start_replay()
         cpu_state, devices, device_states = call.rng
-        with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as stack:
+        device_type = hidden.device.type if devices else "cuda"  # no device states: only the CPU's is forked
+        with torch.random.fork_rng(devices=devices, device_type=device_type), contextlib.ExitStack() as stack:
             torch.set_rng_state(cpu_state)
-            for device, state in zip(devices, device_states):
-                torch.cuda.set_rng_state(state, device)
+            set_device_states(devices, device_states, device_type=device_type)
             for state in call.autocast:
                 stack.enter_context(torch.autocast(**state))
             with checkpoint_recompute():
@@ -409,8 +408,7 @@ class OffloadHandle:
         self.stats = OffloadStats()
         self._slots: dict[int | tuple[int, int], list[_HostSlot]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._target: tuple[torch.Tensor, int] | None = None  # (input, layer) the pack hook waits for
-        self._presaved: tuple[torch.Tensor, _SavedInput] | None = None  # (input, its holder) `_pack_presaved` waits for
+        self._target: tuple[torch.Tensor, _SavedInput] | None = None  # (input, its holder) the pack hook waits for
         self._last: weakref.ref | None = None  # the most recent saved input
         self._enabled = True
         self._hooks: list = []  # on the input embeddings (watch_input_embeddings)
@@ -502,7 +500,7 @@ class OffloadHandle:
         run = marking_recomputes(forward, frame)
         # Positional tensors given to checkpoint() are saved through the saved-tensors hooks active
         # here (the layer's own saved tensors go through checkpoint's inner hooks); only `hidden` is moved.
-        self._target = (hidden, layer, frame)
+        self._target = (hidden, self._saved_input(hidden, layer, frame))
         try:
             with saved_tensors_hooks(self._pack, self._unpack):
                 return checkpoint(run, hidden, *rest, use_reentrant=False, **kwargs)
@@ -512,15 +510,7 @@ class OffloadHandle:
     def _pack(self, tensor: torch.Tensor):
         if self._target is None or tensor is not self._target[0]:
             return tensor
-        _, layer, frame = self._target
-        self._target = None  # hold no reference to the device tensor
-        return self._saved_input(tensor, layer, frame)
-
-    def _pack_presaved(self, tensor: torch.Tensor):
-        """`_LayerCheckpoint`'s pack hook: its hidden states become the `_SavedInput` made before the layer ran."""
-        if self._presaved is None or tensor is not self._presaved[0]:
-            return tensor
-        saved, self._presaved = self._presaved[1], None
+        saved, self._target = self._target[1], None  # hold no reference to the device tensor
         return saved
 
     def _saved_input(self, tensor: torch.Tensor, layer: int, frame: _KeptFrame) -> _SavedInput:
