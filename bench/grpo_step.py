@@ -325,6 +325,10 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 if graphs is not None and graphs.stats["captured"]:  # op bodies replayed as CUDA graphs
                     result["op_graphs"] = {**graphs.stats, "pool_mib": round(graphs.graph_pool_bytes() / 2**20),
                                            "staging_mib": round(graphs.staging_bytes() / 2**20)}
+                offload = sys.modules.get("fastgrpo.compiler.offload")
+                handle = offload.offload_handle(model) if offload is not None and system in FASTGRPO_OPTIONS else None
+                if handle is not None and handle.graphs.stats["captured"]:  # layer calls replayed as CUDA graphs
+                    result["layer_graphs"] = {**handle.graphs.stats, "off": sorted(set(handle.graphs.off.values()))}
                 for setting in ab:
                     setting, _, lengths = setting.partition("@")
                     if not lengths or completion in {int(c) for c in lengths.split(",")}:

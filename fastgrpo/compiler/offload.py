@@ -7,9 +7,10 @@ a 1.5B model that is 28 x 0.4 GB, most of the step's memory. Here every layer ca
 does) and, in the backward, runs the layer again and differentiates it; its inputs are the hidden states and the
 parameters the layer's graph reached, so gradients are those of torch's non-reentrant checkpoint (the forward runs
 the same graph as the recompute, with grad enabled, and drops it at once). Unlike torch's checkpoint it runs no
-Python per saved tensor: a short step is bound by the host (LEAN_CHECKPOINT). A layer with another input that
-requires grad goes through `torch.utils.checkpoint(use_reentrant=False)` with a saved-tensors hook that moves the
-input instead. Either way:
+Python per saved tensor: a short step is bound by the host (LEAN_CHECKPOINT). On CUDA the node's two bodies, the
+forward and the backward, replay as CUDA graphs once a call's key repeats (`fastgrpo.compiler.layer_graphs`). A layer
+with another input that requires grad goes through `torch.utils.checkpoint(use_reentrant=False)` with a saved-tensors
+hook that moves the input instead. Either way:
 
 - forward: the device-to-host copy runs on a side stream while the layer computes; the device
   tensor is freed as soon as the copy has read it (`record_stream`);
@@ -71,6 +72,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
+from fastgrpo.compiler.layer_graphs import LayerGraphs
 from fastgrpo.compiler.regions import CACHE_KWARGS, repeated_blocks
 from fastgrpo.kernels._dispatch import (KeptOutputs, after_backward_peak, cancel_after_backward_peak,
                                         checkpoint_recompute, keeping_outputs)
@@ -310,13 +312,15 @@ class _LayerCall:
     RNG and autocast state, the leaves its graph reached. Its input and the frame of kept outputs are held by the
     node's saved tensor (a `_SavedInput`), so autograd frees them after the backward, as it frees saved tensors."""
 
-    __slots__ = ("handle", "layer", "frame", "forward", "args", "kwargs", "rng", "autocast", "leaves", "outputs")
+    __slots__ = ("handle", "layer", "frame", "forward", "args", "kwargs", "rng", "autocast", "leaves", "outputs",
+                 "entry", "graph_tensors", "graph_pass")
 
     def __init__(self, handle, layer, frame, forward, args, kwargs):
         self.handle, self.layer, self.forward = handle, layer, forward
         self.frame = weakref.ref(frame)
         self.args, self.kwargs = args, kwargs
         self.rng = self.autocast = self.leaves = self.outputs = None
+        self.entry = self.graph_tensors = self.graph_pass = None  # the call's CUDA graphs (layer_graphs)
 
     def run(self, hidden: torch.Tensor, requires_grad: bool, frame: _KeptFrame):
         """The layer on `hidden` (detached, requiring grad as asked) with grad enabled: the same compiled graph in the
@@ -333,17 +337,25 @@ class _LayerCall:
         self.autocast = [_autocast_state(device_type)] + ([_autocast_state("cpu")] if device_type != "cpu" else [])
         self.rng = (torch.get_rng_state(), *get_device_states(hidden))  # as torch's checkpoint stashes them
         frame = self.frame()
-        saved = self.handle._saved_input(hidden, self.layer, frame)
-        x, out = self.run(hidden, hidden.requires_grad, frame)
-        outputs = (out,) if isinstance(out, torch.Tensor) else out
-        if not isinstance(outputs, tuple) or not all(v is None or isinstance(v, (torch.Tensor, int, float, bool, str))
-                                                     for v in outputs):
-            raise _NotFlat(f"it returned {_describe(out)}, not a tensor or a tuple of tensors")
-        self.leaves = _graph_leaves(outputs, x)
-        self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
-            v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
-        del x, out, outputs  # the forward's graph and what it saved go here
         handle = self.handle
+        saved = handle._saved_input(hidden, self.layer, frame)
+        entry = self.entry = handle.graphs.entry(self, hidden)
+        replayed = handle.graphs.replay_forward(entry, self, hidden) if entry is not None else None
+        if replayed is not None:  # a replayed forward keeps no outputs for the recompute (its frame stays empty)
+            self.leaves, self.outputs = list(entry.leaves), replayed
+        else:
+            x, out = self.run(hidden, hidden.requires_grad, frame)
+            outputs = (out,) if isinstance(out, torch.Tensor) else out
+            if not isinstance(outputs, tuple) or not all(
+                    v is None or isinstance(v, (torch.Tensor, int, float, bool, str)) for v in outputs):
+                raise _NotFlat(f"it returned {_describe(out)}, not a tensor or a tuple of tensors")
+            self.leaves = _graph_leaves(outputs, x)
+            self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
+                v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
+            del x, out, outputs  # the forward's graph and what it saved go here
+            if entry is not None:
+                handle.graphs.after_forward(entry, self, hidden, self.outputs, self.leaves,
+                                            [torch.get_rng_state(), *get_device_states(hidden)[1]])
         handle._target = (hidden, saved)
         del saved
         try:
@@ -374,6 +386,21 @@ class _LayerCheckpoint(torch.autograd.Function):
         call = ctx.call
         needs = ctx.needs_input_grad
         (hidden,) = ctx.saved_tensors  # the handle's unpack: the copy back, and the prefetch of the layer before's
+        graphs = call.handle.graphs
+        if call.entry is not None:
+            replayed = graphs.backward(call.entry, call, hidden, grads, needs)
+            if replayed is not None:
+                found = iter(replayed)
+                return (None, next(found), *found)
+        found = _LayerCheckpoint.recompute_and_differentiate(call, hidden, grads, needs)
+        if call.entry is not None:
+            graphs.after_backward(call.entry, call, hidden, grads, needs, found)
+        return (None, *found)
+
+    @staticmethod
+    def recompute_and_differentiate(call: _LayerCall, hidden: torch.Tensor, grads: tuple, needs: tuple) -> list:
+        """The layer run again on `hidden` under the forward's RNG and autocast state; the gradients of its outputs
+        against `grads` for the hidden states and each leaf (None where not needed)."""
         frame = call.frame()
         frame.start_replay()
         cpu_state, devices, device_states = call.rng
@@ -385,7 +412,6 @@ class _LayerCheckpoint(torch.autograd.Function):
                 stack.enter_context(torch.autocast(**state))
             with checkpoint_recompute():
                 x, out = call.run(hidden, needs[1], frame)
-        del hidden
         # The recomputed graph's backward runs outside the forward's autocast and RNG state, as torch's checkpoint
         # runs it: under the backward's own.
         outputs = (out,) if isinstance(out, torch.Tensor) else out
@@ -396,7 +422,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(call.leaves, needs[2:]) if need]
         found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
                      if pairs and inputs else [None] * len(inputs))
-        return (None, next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:]))
+        return [next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:])]
 
 
 class OffloadHandle:
@@ -412,6 +438,7 @@ class OffloadHandle:
         self._last: weakref.ref | None = None  # the most recent saved input
         self._enabled = True
         self._hooks: list = []  # on the input embeddings (watch_input_embeddings)
+        self.graphs = LayerGraphs(self.blocks)  # checkpointed calls replayed as CUDA graphs
 
     # ---- public -------------------------------------------------------------------------------------
     def disable(self) -> None:

@@ -210,6 +210,18 @@ def backward_peak_passed() -> None:
         _after_backward_peak.pop(0)()
 
 
+def take_after_backward_peak() -> list[Callable[[], None]]:
+    """What waits for the signal, removed (a CUDA-graph capture, whose ops signal only while it captures, holds it
+    aside and gives it back with `restore_after_backward_peak`)."""
+    pending = list(_after_backward_peak)
+    _after_backward_peak.clear()
+    return pending
+
+
+def restore_after_backward_peak(pending: list[Callable[[], None]]) -> None:
+    _after_backward_peak[:0] = pending
+
+
 # Host-side block arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv go through Triton's
 # JIT wrapper (~3 us a call), and a launch computes several (RoPE's host path on a 2-core CPU: 45 us a call,
 # 58 with Triton's helpers). At short completions the GRPO step is bound by the host.

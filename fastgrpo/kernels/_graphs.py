@@ -164,11 +164,17 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
     return results
 
 
-def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> None:
+def capture_pool(device: torch.device) -> tuple:
+    """(the private memory pool, the capture stream) of `device`'s graphs, made once; shared with the layer graphs
+    (fastgrpo.compiler.layer_graphs): every graph's temporaries are dead when it ends, so captures reuse them."""
     if device not in _pools:
         with torch.cuda.device(device):
             _pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-    pool, stream = _pools[device]
+    return _pools[device]
+
+
+def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> None:
+    pool, stream = capture_pool(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before the capture
         warm = list(call(tuple(rows), tuple(others)))

@@ -10,9 +10,9 @@ from trl.extras.profiling import profiling_context
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from fastgrpo.compiler import compile_repeated_blocks
+from fastgrpo.compiler import compile_repeated_blocks, layer_graphs
 from fastgrpo.compiler.cache import enable_compile_cache
-from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.offload import enable_offloaded_checkpointing, offload_handle
 from fastgrpo.compiler.options import training_options
 from fastgrpo.compiler.regions import repeated_blocks
 from fastgrpo.errors import UserError
@@ -216,7 +216,23 @@ class GRPOTrainer(TRLGRPOTrainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         logs.update(self._compile_log.pop_fields())  # the first entry after the first step: compile_s, cache use
         logs.update(_graphs.log_fields())  # op bodies replayed as CUDA graphs (fastgrpo/kernels/_graphs.py)
+        handle = self._policy_offload()
+        if handle is not None and handle.graphs.stats["eager"]:  # layer calls as CUDA graphs (compiler/layer_graphs.py)
+            logs.update(handle.graphs.log_fields())
         super().log(logs, start_time)
+
+    def _policy_offload(self):
+        return offload_handle(causal_lm_of(self.model)) if self._offload_on() else None
+
+    def _bucket_padding(self, input_ids: torch.Tensor, extra: dict) -> int:
+        """Columns to append to a training forward's rows so that its length is a bucket's
+        (`layer_graphs.bucket_length`): where the policy's layer calls are replayed as CUDA graphs, whose keys
+        include the length. Appended columns are masked; causal attention keeps them out of every real position."""
+        on_device = input_ids.is_cuda or layer_graphs.EMULATE_ON_CPU
+        if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._policy_offload() is not None
+                and not any(v is not None for v in extra.values())):
+            return 0
+        return layer_graphs.bucket_length(input_ids.size(1)) - input_ids.size(1)
 
     def _offload_on(self) -> bool:
         choice = self.args.fastgrpo_offload_checkpointing
@@ -228,6 +244,10 @@ class GRPOTrainer(TRLGRPOTrainer):
         return training_options(self.args.fastgrpo_compile_options, device_type=self.accelerator.device.type,
                                 checkpointing=self.args.gradient_checkpointing, offload=self._offload_on(),
                                 packing=self._packing_on())
+
+    def _pad_id(self) -> int:
+        pad = self._tokenizer.pad_token_id
+        return pad if pad is not None else 0
 
     def _packing_on(self) -> bool:
         return self.args.fastgrpo_packing in (True, "auto")
@@ -253,9 +273,17 @@ class GRPOTrainer(TRLGRPOTrainer):
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
             head.prompt_columns = input_ids.size(1) - logits_to_keep
+        pad = self._bucket_padding(input_ids, {k: v for k, v in kwargs.items() if k != "compute_aux_loss"})
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self._pad_id())
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=0)
         result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=rows, compute_entropy=compute_entropy, **kwargs
+            model, input_ids, attention_mask, logits_to_keep + pad, batch_size=rows, compute_entropy=compute_entropy,
+            **kwargs
         )
+        if pad:  # the appended columns' log-probs and entropies go
+            result = tuple(t[:, :logits_to_keep] if isinstance(t, torch.Tensor) and t.dim() >= 2
+                           and t.size(1) == logits_to_keep + pad else t for t in result)
         sampled = getattr(self, "_fastgrpo_sampled", None)
         if sampled is not None and torch.is_grad_enabled():
             self._log_sampler_agreement(result[0], sampled)

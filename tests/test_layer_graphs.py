@@ -1,0 +1,296 @@
+"""Checkpointed layer calls replayed as CUDA graphs (fastgrpo.compiler.layer_graphs).
+
+On CUDA: gradients with replayed layers equal those of the calls run as they are, every layer is captured and
+replayed once its key repeats, a layer that draws random numbers is never replayed and says why, a moved parameter
+drops the graphs that read it, and a layer keeps at most MAX_KEYS_PER_LAYER keys. On the CPU the pieces that need no
+device: the input keys, the staging buffers, the agreement check, and that nothing is replayed there.
+"""
+import warnings
+
+import pytest
+import torch
+
+import fastgrpo
+from fastgrpo.compiler import layer_graphs
+from fastgrpo.compiler.layer_graphs import _agree, _flatten, _NotReplayable, _Staging, _substitute
+from fastgrpo.compiler.offload import enable_offloaded_checkpointing
+from fastgrpo.compiler.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_inputs_flatten_to_a_key_and_substitute_back():
+    cos, sin, mask = torch.ones(2, 3), torch.zeros(2, 3), torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    args, kwargs = (mask, None), {"position_embeddings": (cos, sin), "use_cache": False, "scale": 0.5}
+    tensors, key = _flatten(args, kwargs)
+    assert [t is u for t, u in zip(tensors, (mask, cos, sin))] == [True] * 3
+    # The same layouts and values give the same key; another shape, grad flag or value another one.
+    assert _flatten((mask.clone(), None), {**kwargs, "position_embeddings": (cos + 1, sin)})[1] == key
+    assert _flatten((mask, None), {**kwargs, "scale": 0.25})[1] != key
+    assert _flatten((mask, None), {**kwargs, "position_embeddings": (cos[:1], sin)})[1] != key
+    assert _flatten((mask, None), {**kwargs, "position_embeddings": (cos.requires_grad_(), sin)})[1] != key
+    new = [torch.full_like(t, 7) for t in tensors]
+    args2, kwargs2 = _substitute(args, kwargs, new)
+    assert args2[0] is new[0] and args2[1] is None
+    assert kwargs2["position_embeddings"][0] is new[1] and kwargs2["position_embeddings"][1] is new[2]
+    assert isinstance(kwargs2["position_embeddings"], tuple) and kwargs2["use_cache"] is False
+    with pytest.raises(_NotReplayable, match="of type object"):
+        _flatten((object(),), {})
+
+
+def test_staging_keeps_layouts_and_copies_only_what_changed():
+    staging = _Staging()
+    row = torch.arange(6.0).view(1, 1, 6)
+    broadcast = row.expand(4, 3, 6)  # stride 0 on two dims, as an expanded mask or embedding is
+    transposed = torch.randn(6, 5).t()
+    buffers = [staging.like("in", i, t) for i, t in enumerate((broadcast, transposed))]
+    assert buffers[0].stride() == broadcast.stride() and buffers[1].stride() == transposed.stride()
+    assert buffers[0].untyped_storage().nbytes() == 6 * 4 and buffers[0]._is_view()  # the distinct elements once
+    staging.stage(buffers, [broadcast, transposed])
+    assert torch.equal(buffers[0], broadcast) and torch.equal(buffers[1], transposed)
+    buffers[1].zero_()  # the same tensor, unchanged: not copied again
+    staging.stage(buffers, [broadcast, transposed])
+    assert not buffers[1].any()
+    transposed.add_(1)  # changed in place (its version moved): copied
+    staging.stage(buffers, [broadcast, transposed])
+    assert torch.equal(buffers[1], transposed)
+    assert staging.like("in", 1, transposed) is buffers[1]
+    # Staging a tensor that requires grad leaves every buffer out of autograd (on CUDA one foreach copy from such a
+    # tensor made all its buffers require grad, and the capture then traced the layer anew).
+    hidden = torch.randn(6, 5, requires_grad=True) * 2
+    buffers.append(staging.like("in", 3, hidden))
+    staging.stage(buffers, [broadcast, transposed + 1, hidden])
+    assert not any(b.requires_grad or b.grad_fn is not None for b in buffers)
+    with pytest.raises(_NotReplayable, match="overlap"):
+        staging.like("in", 2, torch.arange(8.0).as_strided((3, 3), (2, 1)))  # rows that share elements
+
+
+def test_agreement_names_what_differs():
+    a = [torch.ones(4), None, torch.full((2,), 3.0)]
+    assert _agree(a, [t.clone() if t is not None else None for t in a]) is None
+    assert _agree(a, [a[0] * (1 + 1e-3), None, a[2]]) is None  # within AGREEMENT of the largest value
+    assert "output 0 differs" in _agree(a, [a[0] * 2, None, a[2]])
+    assert "NaN" not in _agree(a, [a[0], None, torch.tensor([3.0, float("nan")])]) and _agree(
+        a, [a[0], None, torch.tensor([3.0, float("nan")])])
+    assert "None in one run" in _agree(a, [a[0], torch.ones(1), a[2]])
+
+
+def _step(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    loss = logits.log_softmax(-1)[..., 5].mean()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_nothing_is_replayed_off_cuda(monkeypatch):
+    monkeypatch.setattr(layer_graphs, "ENABLED", True)
+    model = tiny_model("llama", lora=True, num_hidden_layers=3)
+    fastgrpo.compile_repeated_blocks(model.get_base_model(), options={"inner": "eager"})
+    handle = enable_offloaded_checkpointing(model)
+    ids = torch.randint(3, 100, (2, 10))
+    for _ in range(4):
+        _step(model, ids)
+    assert handle.graphs.stats["captured"] == handle.graphs.stats["eager"] == 0 and not handle.graphs.entries
+
+
+DEVICES = [pytest.param("cpu", id="cpu-emulated"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Layer graphs on; on the CPU, calls take every step with the stand-in graph (EMULATE_ON_CPU)."""
+    monkeypatch.setattr(layer_graphs, "ENABLED", True)
+    monkeypatch.setattr(layer_graphs, "EMULATE_ON_CPU", True)
+
+
+def _model(arch, dtype, device, layers=4, **overrides):
+    torch._dynamo.reset()
+    size = dict(hidden_size=256, intermediate_size=512) if device == "cuda" else dict(hidden_size=64,
+                                                                                       intermediate_size=128)
+    model = tiny_model(arch, dtype=dtype, lora=True, num_hidden_layers=layers, **size, **overrides).to(device)
+    # On the CPU the layers compile through the passes without inductor (seconds, not minutes).
+    fastgrpo.compile_repeated_blocks(model.get_base_model(), options=None if device == "cuda" else {"inner": "eager"})
+    return model
+
+
+def _ids(device, rows=4, length=64, seed=0):
+    return torch.randint(3, 100, (rows, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _close(reference, got, rtol):
+    (ref_loss, ref_grads), (loss, grads) = reference, got
+    assert grads.keys() == ref_grads.keys() and grads
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().item()
+        assert (grads[name] - ref).abs().max().item() <= rtol * scale + 1e-30, name
+
+
+def _reference(model, ids):
+    enabled = layer_graphs.ENABLED
+    layer_graphs.ENABLED = False
+    try:
+        return _step(model, ids)
+    finally:
+        layer_graphs.ENABLED = enabled
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("llama", torch.float32), ("gemma2", torch.bfloat16)])
+def test_replayed_layers_give_the_gradients_of_the_calls_run_as_they_are(arch, dtype, device):
+    layers = 3
+    model = _model(arch, dtype, device, layers)
+    handle = enable_offloaded_checkpointing(model)
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(5):  # eager, capture, compare, replay, replay; new tokens each step
+            ids = _ids(device, length=256 if device == "cuda" else 32, seed=seed)
+            _close(_reference(model, ids), _step(model, ids), rtol)
+    assert not [w for w in caught if "not replayed" in str(w.message)], [str(w.message) for w in caught]
+    stats = handle.graphs.stats
+    assert not handle.graphs.off, handle.graphs.off
+    # Each layer: one forward and one backward graph; replayed from the fourth step on (steps 4 and 5).
+    assert stats["captured"] == 2 * layers
+    assert stats["replayed_forward"] == stats["replayed_backward"] == 2 * layers
+    assert handle.stats.loaded_on_demand == 0
+    # The staging buffers stay out of autograd (a replayed forward's input requires grad).
+    assert not any(b.requires_grad for b in handle.graphs.staging.buffers.values())
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_that_draws_random_numbers_is_not_replayed_and_says_why(device):
+    model = _model("llama", torch.float32, device, layers=2, attention_dropout=0.2)
+    handle = enable_offloaded_checkpointing(model)
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        for _ in range(4):
+            _step(model, _ids(device))
+    assert set(handle.graphs.off) == {0, 1} and handle.graphs.stats["captured"] == 0
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_moved_parameter_drops_the_layers_graphs(device):
+    model = _model("qwen3", torch.float32, device, layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    ids = _ids(device)
+    for _ in range(4):
+        _step(model, ids)
+    assert handle.graphs.stats["replayed_forward"] == 2
+    layer0 = dict(handle.blocks[0].named_parameters())
+    name = next(n for n in layer0 if "lora_B" in n)
+    layer0[name].data = layer0[name].data.clone() * 3  # a new storage: a graph would read the freed old one
+    dropped = handle.graphs.stats["dropped"]
+    reference = _reference(model, ids)
+    got = _step(model, ids)
+    assert handle.graphs.stats["dropped"] > dropped
+    _close(reference, got, 1e-4)
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_keeps_at_most_its_number_of_keys(device, monkeypatch):
+    monkeypatch.setattr(layer_graphs, "MAX_KEYS_PER_LAYER", 2)
+    model = _model("qwen3", torch.float32, device, layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    for length in (32, 48, 64, 32, 48, 64):
+        _step(model, _ids(device, length=length))
+    assert all(len(entries) <= 2 for entries in handle.graphs.entries.values())
+    assert handle.graphs.stats["dropped"] >= 2
+
+
+def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
+    """Dynamo guards on whether a compiled region's input is a view: a staging buffer that differed would make the
+    capture recompile the layer (where autotuning cannot run)."""
+    staging = _Staging()
+    plain, sliced = torch.randn(2, 3, 4), torch.randn(2, 3, 8)[..., :4]
+    assert not staging.like("in", 0, plain)._is_view() and staging.like("in", 1, sliced)._is_view()
+    assert staging.like("in", 1, sliced).stride() == sliced.stride()
+    # A tensor output: `_flat_outputs` takes it as a flat tuple of one.
+    from fastgrpo.compiler.layer_graphs import _flat_outputs
+
+    assert len(_flat_outputs(plain)) == 1 and _flat_outputs((plain, None, 3))[2] == 3
+
+
+def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, monkeypatch):
+    """fastgrpo's GRPOTrainer with offloaded checkpointing: a training forward's rows are padded to a length bucket
+    (appended columns, masked), its layers are captured and replayed (emulated here), and loss and LoRA gradients
+    equal those of the trainer without offloading, graphs or padding, in every step."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    import fastgrpo.integrations.trl as F
+    from fastgrpo.compiler.offload import offload_handle
+    from fastgrpo.compiler.regions import repeated_blocks
+    from tests.test_trl_integration import LORA, PROMPTS, VOCAB, common_args, low_id_fraction, lora_params, make_inputs
+    from tests.tiny_models import tiny_tokenizer
+
+    monkeypatch.setattr(layer_graphs, "ENABLED", True)
+    monkeypatch.setattr(layer_graphs, "EMULATE_ON_CPU", True)
+    tokenizer = tiny_tokenizer(PROMPTS + ["the quick brown fox jumps", "a b c d e f g"], VOCAB)
+    lengths = []
+
+    def trainer(offload: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_model("qwen2", vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+        args = F.GRPOConfig(**common_args(tmp_path, beta=0.0, loss_type="dapo", fastgrpo_packing=False,
+                                          fastgrpo_compile_options={"inner": "eager"},
+                                          fastgrpo_offload_checkpointing=offload))
+        built = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=LoraConfig(**LORA))
+        built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        built.current_gradient_accumulation_steps = 1
+        blocks = repeated_blocks(built.model)
+        record = torch._dynamo.disable(lambda module, args: lengths.append(args[0].shape[1]))
+        blocks[0].register_forward_pre_hook(record)
+        return built
+
+    results = {}
+    for offload in (False, True):
+        t = trainer(offload)
+        inputs = make_inputs(t, tokenizer.eos_token_id)
+        steps = []
+        for _ in range(4):  # eager, capture, compare, replay
+            lengths.clear()
+            loss = t.compute_loss(t.model, inputs)
+            loss.backward()
+            steps.append((loss.detach(), {n: p.grad.clone() for n, p in lora_params(t.model)}, list(lengths)))
+            t.model.zero_grad(set_to_none=True)
+        results[offload] = steps
+        if offload:
+            stats = offload_handle(t.model).graphs.stats
+            assert stats["replayed_forward"] == stats["replayed_backward"] == 2 and stats["captured"] == 4
+    for (plain_loss, plain_grads, plain_lengths), (loss, grads, padded_lengths) in zip(results[False], results[True]):
+        assert all(n == layer_graphs.bucket_length(m) for n, m in zip(padded_lengths, plain_lengths))
+        assert padded_lengths != plain_lengths  # the fixed rows' length is not a bucket's: padding ran
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("emulated")
+def test_a_failed_capture_stops_all_captures_and_the_calls_run_as_they_are(monkeypatch):
+    """A capture that raises (on CUDA it may leave the allocator recording into the pool) turns every layer's
+    graphs off with one warning naming the error; every step's gradients stay those of the calls run as they are."""
+    keeping_outputs = layer_graphs._dispatch.keeping_outputs
+
+    def failing_in_captures(frame):  # only the captured bodies keep no outputs
+        if frame is None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return keeping_outputs(frame)
+
+    model = _model("qwen3", torch.float32, "cpu", layers=3)
+    handle = enable_offloaded_checkpointing(model)
+    monkeypatch.setattr(layer_graphs._dispatch, "keeping_outputs", failing_in_captures)
+    with pytest.warns(UserWarning, match="capture failed.*not permitted"):
+        for seed in range(4):
+            ids = _ids("cpu", seed=seed)
+            _close(_reference(model, ids), _step(model, ids), 1e-5)
+    assert handle.graphs.broken and handle.graphs.stats["captured"] == 0
+    assert handle.graphs.stats["eager"] == 3 + 1  # the first step's calls, then layer 0's second, whose capture failed
