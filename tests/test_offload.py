@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fastgrpo
-from fastgrpo.compiler import offload
+from fastgrpo.compiler import checkpoint_node, offload
 from fastgrpo.compiler.regions import repeated_blocks
 from fastgrpo.compiler.tiny import tiny_model
 from fastgrpo.compiler.offload import (
@@ -166,7 +166,7 @@ class _ScaledStack(nn.Module):
 @pytest.mark.parametrize("scale_needs_grad", [True, False])
 def test_a_layer_input_besides_the_hidden_states_that_requires_grad_gets_its_gradient(lean, scale_needs_grad,
                                                                                        monkeypatch):
-    """`_LayerCheckpoint`'s node takes the hidden states and the parameters as inputs; a layer called with another
+    """`LayerCheckpoint`'s node takes the hidden states and the parameters as inputs; a layer called with another
     input that requires grad goes through torch's checkpoint instead, and that input's gradient is right."""
     monkeypatch.setattr(offload, "LEAN_CHECKPOINT", lean)
     model = _ScaledStack()
@@ -188,7 +188,7 @@ def test_a_layer_input_besides_the_hidden_states_that_requires_grad_gets_its_gra
         assert handle.stats.offloaded == 2
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert (nodes[1] == "_LayerCheckpointBackward") == (lean and not scale_needs_grad)
+    assert (nodes[1] == "LayerCheckpointBackward") == (lean and not scale_needs_grad)
 
 
 class _Nested(_Scaled):
@@ -246,12 +246,12 @@ def test_a_recomputed_output_is_freed_only_where_its_graph_did_not_save_it():
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(3, 4)
     out = torch.compile(lambda x, w: x @ w + 1, backend="aot_eager")(x, w)
-    assert offload._release_values(out, x) and out.untyped_storage().nbytes() == 0
+    assert checkpoint_node.release_values(out, x) and out.untyped_storage().nbytes() == 0
     (grad,) = torch.autograd.grad(out, [w], torch.ones(3, 4))
     torch.testing.assert_close(grad, x.t() @ torch.ones(3, 4))
     out = torch.compile(lambda x, w: torch.exp(x @ w), backend="aot_eager")(x, w)  # exp's backward reads its output
-    assert not offload._release_values(out, x) and out.untyped_storage().nbytes() > 0
-    assert not offload._release_values(x @ w, x)  # an eager node: its saved tensors are not checked, so kept
+    assert not checkpoint_node.release_values(out, x) and out.untyped_storage().nbytes() > 0
+    assert not checkpoint_node.release_values(x @ w, x)  # an eager node: its saved tensors are not checked, so kept
 
 
 def hf_checkpoint_must_not_run(*args, **kwargs):

@@ -255,7 +255,7 @@ class LayerGraphs:
 
     # ---- keys ----------------------------------------------------------------------------------------------
     def entry(self, call, hidden: torch.Tensor) -> _Entry | None:
-        """The entry of `call` (an offload `_LayerCall`) on `hidden`, or None where it runs as it is."""
+        """The entry of `call` (a `checkpoint_node.LayerCall`) on `hidden`, or None where it runs as it is."""
         layer = call.layer
         if not (ENABLED and (hidden.is_cuda or EMULATE_ON_CPU) and layer not in self.off and self.broken is None
                 and not torch.is_inference_mode_enabled()
