@@ -6,6 +6,7 @@ drops the graphs that read it, and a layer keeps at most MAX_KEYS_PER_LAYER keys
 device: the input keys, the staging buffers, the agreement check, and that nothing is replayed there.
 """
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -61,6 +62,10 @@ def test_staging_keeps_layouts_and_copies_only_what_changed():
     buffers.append(staging.like("in", 3, hidden))
     staging.stage(buffers, [broadcast, transposed + 1, hidden])
     assert not any(b.requires_grad or b.grad_fn is not None for b in buffers)
+    # What was staged is not held alive by the staging (a layer's hidden states are large).
+    watched = weakref.ref(hidden)
+    del hidden
+    assert watched() is None
     with pytest.raises(_NotReplayable, match="overlap"):
         staging.like("in", 2, torch.arange(8.0).as_strided((3, 3), (2, 1)))  # rows that share elements
 

@@ -37,6 +37,7 @@ import collections
 import contextlib
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -156,7 +157,7 @@ class _Staging:
 
     def __init__(self):
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self.sources: dict[int, tuple] = {}  # id(buffer) -> (the tensor last copied in, its version)
+        self.sources: dict[int, tuple] = {}  # id(buffer) -> (weak reference to the tensor last copied in, version)
 
     def like(self, role: str, position: int, t: torch.Tensor) -> torch.Tensor:
         """A buffer with `t`'s shape, strides and dtype; broadcast dims (stride 0) share one element as in `t`."""
@@ -178,11 +179,10 @@ class _Staging:
         """Copies `tensors` into `buffers` (one launch), skipping a tensor already there unchanged."""
         pairs = []
         for buffer, t in zip(buffers, tensors):
-            mark = (t, t._version)
             last = self.sources.get(id(buffer))
-            if last is not None and last[0] is t and last[1] == mark[1]:
+            if last is not None and last[0]() is t and last[1] == t._version:
                 continue
-            self.sources[id(buffer)] = mark
+            self.sources[id(buffer)] = (weakref.ref(t), t._version)  # holds no tensor alive
             pairs.append((_compact(buffer), _compact(t)))
         if pairs:  # without autograd: a copy from a tensor that requires grad would put the buffers into its graph
             with torch.no_grad():
