@@ -472,6 +472,11 @@ class LayerGraphs:
         device = torch.cuda.current_device()
         pool, stream = _graphs.capture_pool(torch.device("cuda", device))
         pending = _dispatch.take_after_backward_peak()  # work that waits for a signal must not run in the capture
+        # Autocast caches its casts of leaves (fp32 LoRA factors) until the outermost autocast region ends: a cast the
+        # capture found cached would be read from that tensor's address at every replay, after the region freed it,
+        # and a cast the capture made would stay cached in the graph's pool. So the cache is emptied before the
+        # warm-up, before the capture and after it. (Turning it off instead would change Dynamo's global-state guard.)
+        torch.clear_autocast_cache()
         try:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces and Triton's launchers exist before it
@@ -479,6 +484,7 @@ class LayerGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             outputs = [None if t is None else self.staging.like(f"{role}-out", i, t) for i, t in enumerate(warm)]
             del warm
+            torch.clear_autocast_cache()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -487,6 +493,7 @@ class LayerGraphs:
                         if buffer is not None:
                             buffer.copy_(t)
                     del produced
+                torch.clear_autocast_cache()
             except Exception as error:
                 # A capture that failed may leave the allocator recording into the pool; no later capture is tried.
                 self.broken = f"a capture failed ({_brief(error)})"
