@@ -215,10 +215,10 @@ def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
     plain, sliced = torch.randn(2, 3, 4), torch.randn(2, 3, 8)[..., :4]
     assert not staging.like("in", 0, plain)._is_view() and staging.like("in", 1, sliced)._is_view()
     assert staging.like("in", 1, sliced).stride() == sliced.stride()
-    # A tensor output: `_flat_outputs` takes it as a flat tuple of one.
-    from fastgrpo.compiler.layer_graphs import _flat_outputs
+    # A tensor output: `flat_outputs` takes it as a flat tuple of one.
+    from fastgrpo.compiler.checkpoint_node import flat_outputs
 
-    assert len(_flat_outputs(plain)) == 1 and _flat_outputs((plain, None, 3))[2] == 3
+    assert len(flat_outputs(plain)) == 1 and flat_outputs((plain, None, 3))[2] == 3
 
 
 def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, monkeypatch):

@@ -84,6 +84,31 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
+def flat_outputs(out) -> tuple:
+    """A layer's output as the node's flat outputs: a tensor as a tuple of one, a tuple of tensors, None and plain
+    values as it is; anything else raises `NotFlat`."""
+    outputs = (out,) if isinstance(out, torch.Tensor) else out
+    if not isinstance(outputs, tuple) or not all(v is None or isinstance(v, (torch.Tensor, int, float, bool, str))
+                                                 for v in outputs):
+        raise NotFlat(f"it returned {_describe(out)}, not a tensor or a tuple of tensors")
+    return outputs
+
+
+def differentiate(out, x: torch.Tensor, leaves: list, grads: tuple, needs: tuple, release: bool = False) -> list:
+    """The gradients of a recomputed layer's output `out` against `grads` for its input `x` and each of `leaves`, as
+    `LayerCheckpoint.backward` returns them (None where `needs`, the node's needs_input_grad, is off); with `release`,
+    the output's values are freed first where nothing reads them (`release_values`)."""
+    pairs = [(o, g) for o, g in zip(flat_outputs(out), grads)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if release:
+        for o, _ in pairs:
+            release_values(o, x)
+    inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(leaves, needs[2:]) if need]
+    found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                 if pairs and inputs else [None] * len(inputs))
+    return [next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:])]
+
+
 class LayerCall:
     """One checkpointed call of a layer through `LayerCheckpoint`: the layer's call and other inputs, the forward's
     RNG and autocast state, the leaves its graph reached. Its input and the frame of kept outputs are held by the
@@ -122,10 +147,7 @@ class LayerCall:
             self.leaves, self.outputs = list(entry.leaves), replayed
         else:
             x, out = self.run(hidden, hidden.requires_grad, frame)
-            outputs = (out,) if isinstance(out, torch.Tensor) else out
-            if not isinstance(outputs, tuple) or not all(
-                    v is None or isinstance(v, (torch.Tensor, int, float, bool, str)) for v in outputs):
-                raise NotFlat(f"it returned {_describe(out)}, not a tensor or a tuple of tensors")
+            outputs = flat_outputs(out)
             self.leaves = _graph_leaves(outputs, x)
             self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
                 v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
@@ -191,12 +213,4 @@ class LayerCheckpoint(torch.autograd.Function):
                 x, out = call.run(hidden, needs[1], frame)
         # The recomputed graph's backward runs outside the forward's autocast and RNG state, as torch's checkpoint
         # runs it: under the backward's own.
-        outputs = (out,) if isinstance(out, torch.Tensor) else out
-        pairs = [(o, g) for o, g in zip(outputs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        for o, _ in pairs:
-            release_values(o, x)
-        inputs = ([x] if needs[1] else []) + [leaf for leaf, need in zip(call.leaves, needs[2:]) if need]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-                     if pairs and inputs else [None] * len(inputs))
-        return [next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:])]
+        return differentiate(out, x, call.leaves, grads, needs, release=True)

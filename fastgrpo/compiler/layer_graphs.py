@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastgrpo.compiler.checkpoint_node import differentiate, flat_outputs
 from fastgrpo.kernels import _dispatch, _graphs
 
 # Opt-in (FASTGRPO_LAYER_GRAPHS=1) until its GPU tests and A/B pass: `bash bench/device_session.sh layer_graphs`.
@@ -122,14 +123,6 @@ def _non_overlapping(t: torch.Tensor) -> bool:
 def _unchanged(state: list) -> bool:
     """Whether each (tensor, address, requires_grad) of `state` still has that address and grad flag."""
     return all(t.data_ptr() == address and t.requires_grad == grad for t, address, grad in state)
-
-
-def _flat_outputs(out) -> list:
-    outputs = (out,) if isinstance(out, torch.Tensor) else out
-    if not isinstance(outputs, tuple) or not all(v is None or isinstance(v, (torch.Tensor, *_SCALARS))
-                                                 for v in outputs):
-        raise _NotReplayable(f"the layer returned a {type(out).__name__}, not a tensor or a flat tuple")
-    return list(outputs)
 
 
 def _agree(eager: list, replayed: list) -> str | None:
@@ -334,7 +327,7 @@ class LayerGraphs:
         self.stats["eager"] += 1
         layer = call.layer
         try:
-            outputs = _flat_outputs(out)
+            outputs = flat_outputs(out)
             if done.calls == 1:
                 self._check_rules(entry, call, out, outputs, leaves, rng_after)
             elif done.graph is None:
@@ -380,7 +373,7 @@ class LayerGraphs:
             x = inputs[0].detach().requires_grad_(requires_grad)
             with torch.enable_grad(), _dispatch.keeping_outputs(None):
                 out = call.forward(x, *args, **kwargs)
-            return [v.detach() if isinstance(v, torch.Tensor) else None for v in _flat_outputs(out)]
+            return [v.detach() if isinstance(v, torch.Tensor) else None for v in flat_outputs(out)]
 
         done.graph, done.outputs = self._capture(body, "forward")
         done.inputs = inputs
@@ -444,12 +437,7 @@ class LayerGraphs:
                 with _dispatch.checkpoint_recompute(), torch.enable_grad(), _dispatch.keeping_outputs(None):
                     x = hidden_in.detach().requires_grad_(needs[1])
                     out = call.forward(x, *args, **kwargs)
-            pairs = [(o, g) for o, g in zip(_flat_outputs(out), grads_staged)
-                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            wanted = ([x] if needs[1] else []) + [leaf for leaf, need in zip(leaves, needs[2:]) if need]
-            found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                         if pairs and wanted else [None] * len(wanted))
-            return [next(found) if needs[1] else None, *(next(found) if need else None for need in needs[2:])]
+            return differentiate(out, x, leaves, grads_staged, needs)
 
         done.graph, done.outputs = self._capture(body, "backward")
         done.inputs = inputs

@@ -93,8 +93,7 @@ class GRPOTrainer(TRLGRPOTrainer):
             )
             head.install(causal_lm_of(target))
             self._fastgrpo_heads.append(head)
-        if self._offload_on():
-            self._offload_checkpointing()
+        self._fastgrpo_offload = self._offload_checkpointing() if self._offload_on() else None
         self.add_callback(self._compile_log)
         if args.fastgrpo_compile:
             self.add_callback(FusionSummary())
@@ -125,19 +124,19 @@ class GRPOTrainer(TRLGRPOTrainer):
         """checkpoint-N appears only when complete (fastgrpo.integrations.checkpoints)."""
         save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
 
-    def _offload_checkpointing(self) -> None:
+    def _offload_checkpointing(self):
         """Checkpoint the policy's decoder layers with their inputs in host memory.
 
         Offloading wraps each layer's call outside any compiled region, so a whole-decoder graph would
         break at every layer: the layers are compiled one region each instead. Each layer's HF
         checkpointing flag now switches the offloading, so `Trainer.train()`'s
         `gradient_checkpointing_enable()` and TRL's disable/enable around generation and no-grad passes
-        pause and resume it rather than stacking HF's checkpoint on top."""
+        pause and resume it rather than stacking HF's checkpoint on top. Returns the offload handle."""
         policy = causal_lm_of(self.model)
-        if self.args.fastgrpo_compile:
-            compile_repeated_blocks(policy, options=self._compile_options(), dynamic=True, offload_checkpointing=True)
-        else:
-            enable_offloaded_checkpointing(policy)
+        if not self.args.fastgrpo_compile:
+            return enable_offloaded_checkpointing(policy)
+        compile_repeated_blocks(policy, options=self._compile_options(), dynamic=True, offload_checkpointing=True)
+        return offload_handle(policy)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not self._embedded_generation_applies(images, multimodal_fields):
@@ -216,21 +215,19 @@ class GRPOTrainer(TRLGRPOTrainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         logs.update(self._compile_log.pop_fields())  # the first entry after the first step: compile_s, cache use
         logs.update(_graphs.log_fields())  # op bodies replayed as CUDA graphs (fastgrpo/kernels/_graphs.py)
-        handle = self._policy_offload()
+        handle = self._fastgrpo_offload
         if handle is not None and handle.graphs.stats["eager"]:  # layer calls as CUDA graphs (compiler/layer_graphs.py)
             logs.update(handle.graphs.log_fields())
         super().log(logs, start_time)
 
-    def _policy_offload(self):
-        return offload_handle(causal_lm_of(self.model)) if self._offload_on() else None
-
-    def _bucket_padding(self, input_ids: torch.Tensor, extra: dict) -> int:
+    def _bucket_padding(self, input_ids: torch.Tensor, model_inputs: dict) -> int:
         """Columns to append to a training forward's rows so that its length is a bucket's
         (`layer_graphs.bucket_length`): where the policy's layer calls are replayed as CUDA graphs, whose keys
-        include the length. Appended columns are masked; causal attention keeps them out of every real position."""
+        include the length; not with other model inputs (images, token types). Appended columns are masked; causal
+        attention keeps them out of every real position."""
         on_device = input_ids.is_cuda or layer_graphs.EMULATE_ON_CPU
-        if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._policy_offload() is not None
-                and not any(v is not None for v in extra.values())):
+        if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._fastgrpo_offload is not None
+                and not any(v is not None for k, v in model_inputs.items() if k != "compute_aux_loss")):
             return 0
         return layer_graphs.bucket_length(input_ids.size(1)) - input_ids.size(1)
 
@@ -273,7 +270,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
             head.prompt_columns = input_ids.size(1) - logits_to_keep
-        pad = self._bucket_padding(input_ids, {k: v for k, v in kwargs.items() if k != "compute_aux_loss"})
+        pad = self._bucket_padding(input_ids, kwargs)
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self._pad_id())
             attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=0)
