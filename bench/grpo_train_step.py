@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="rows a forward and backward takes (per_device_train_batch_size; gradient accumulation over the "
+                   "step's prompts x generations rows, one rollout a step); default: all rows at once")
     p.add_argument("--beta", type=float, default=None,
                    help="the KL weight, for both systems; default: each trainer's own (fastgrpo 0.001, which adds a "
                    "no-grad reference pass to scoring; TRL 0.0)")
@@ -162,8 +165,13 @@ def run(args) -> dict:
     def free_reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
+    rows = args.prompts * args.generations
+    micro = args.micro_batch or rows
+    if rows % micro:
+        raise SystemExit(f"--micro-batch {micro} must divide the step's {rows} rows (prompts x generations)")
     common = dict(
-        output_dir=f"/tmp/grpo_train_step_{args.system}", per_device_train_batch_size=args.prompts * args.generations,
+        output_dir=f"/tmp/grpo_train_step_{args.system}", per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,
         num_generations=args.generations, max_completion_length=args.completion, max_steps=steps,
         learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no", gradient_checkpointing=True,
         bf16=device == "cuda", use_cpu=device == "cpu", seed=0, temperature=1.0, disable_tqdm=True,
@@ -208,6 +216,7 @@ def run(args) -> dict:
         join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
         release_memory=bool(args.release_memory) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
+        micro_batch=micro, layer_graphs=layer_graph_stats(trainer),
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),
         peak_gib=max(clock.peaks[timed], default=float("nan")), first_step_s=clock.steps[0],
@@ -219,6 +228,12 @@ def run(args) -> dict:
         compile=({k: v for k, v in compiled.items() if k.startswith("compile")} or None),
         fallback=getattr(generator, "fallback", None),
     )
+
+
+def layer_graph_stats(trainer) -> dict | None:
+    """fastgrpo: the policy's layer calls replayed as CUDA graphs (fastgrpo/compiler/layer_graphs.py)."""
+    handle = getattr(trainer, "_fastgrpo_offload", None)
+    return None if handle is None else dict(handle.graphs.stats)
 
 
 def table(rows: list[dict]) -> str:

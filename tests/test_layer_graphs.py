@@ -208,6 +208,25 @@ def test_a_layer_keeps_at_most_its_number_of_keys(device, monkeypatch):
     assert handle.graphs.stats["dropped"] >= 2
 
 
+@pytest.mark.usefixtures("emulated")
+def test_a_call_whose_work_bounds_the_gpu_runs_as_it_is_and_is_counted(monkeypatch):
+    """Calls above MAX_WORK_PER_CALL (2 x the layer's parameters x tokens) are neither captured nor replayed; smaller
+    calls of the same model are."""
+    model = _model("qwen3", torch.float32, "cpu", layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    elements = sum(p.numel() for p in handle.blocks[0].parameters())
+    small, large = _ids("cpu", rows=2, length=32), _ids("cpu", rows=4, length=64)
+    monkeypatch.setattr(layer_graphs, "MAX_WORK_PER_CALL", 2 * elements * small.numel())
+    assert handle.graphs.worth_it(small.numel()) and not handle.graphs.worth_it(small.numel() + 1)
+    for _ in range(4):
+        _close(_reference(model, large), _step(model, large), 1e-4)
+    stats = handle.graphs.stats
+    assert stats["gpu_bound"] == 8 and stats["eager"] == stats["captured"] == 0 and not handle.graphs.entries
+    for _ in range(4):
+        _step(model, small)
+    assert stats["replayed_forward"] == stats["replayed_backward"] == 2
+
+
 def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
     """Dynamo guards on whether a compiled region's input is a view: a staging buffer that differed would make the
     capture recompile the layer (where autotuning cannot run)."""

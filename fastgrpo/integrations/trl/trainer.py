@@ -229,7 +229,10 @@ class GRPOTrainer(TRLGRPOTrainer):
         if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._fastgrpo_offload is not None
                 and not any(v is not None for k, v in model_inputs.items() if k != "compute_aux_loss")):
             return 0
-        return layer_graphs.bucket_length(input_ids.size(1)) - input_ids.size(1)
+        length = layer_graphs.bucket_length(input_ids.size(1))
+        if not self._fastgrpo_offload.graphs.worth_it(input_ids.size(0) * length):
+            return 0  # a call this large runs as it is: no padding
+        return length - input_ids.size(1)
 
     def _offload_on(self) -> bool:
         choice = self.args.fastgrpo_offload_checkpointing
