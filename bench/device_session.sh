@@ -78,11 +78,11 @@ run_step() {
         step "unsloth_$shape" ${SHAPE_CAP:-120} "$PEERS" python3 bench/peers/unsloth_step.py ${COMPLETIONS//,/ } --shape $shape $STEP_ARGS
         step "inductor_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems inductor --shape $shape --completions $COMPLETIONS $STEP_ARGS
       done ;;
-    # Decoder-layer calls replayed as CUDA graphs (fastgrpo/compiler/layer_graphs.py, opt-in): their GPU tests, then an
+    # Decoder-layer calls replayed as CUDA graphs (fastgrpo/compiler/layer_graphs.py): their GPU tests, then an
     # in-process A/B of the policy step on each of LAYER_GRAPH_SHAPES at 1024 completions.
-    layer_graphs) step layer_graph_tests 180 "$OURS $ONE_GPU FASTGRPO_LAYER_GRAPHS=1" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/test_layer_graphs.py tests/test_offload.py
+    layer_graphs) step layer_graph_tests 180 "$OURS $ONE_GPU" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/test_layer_graphs.py tests/test_offload.py
       for shape in ${LAYER_GRAPH_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}; do
-        step "layer_graphs_$shape" 150 "$OURS FASTGRPO_LAYER_GRAPHS=1" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions 1024 --warmup 3 --repeat 5 --ab fastgrpo.compiler.layer_graphs.ENABLED=False
+        step "layer_graphs_$shape" 150 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions 1024 --warmup 3 --repeat 5 --ab fastgrpo.compiler.layer_graphs.ENABLED=False
       done ;;
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
     # SPREAD_PROMPT / SPREAD_COMPLETIONS: prompt length and longest completion of the spread rows (default 256 / 4096);
