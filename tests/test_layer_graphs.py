@@ -5,6 +5,7 @@ replayed once its key repeats, a layer that draws random numbers is never replay
 drops the graphs that read it, and a layer keeps at most MAX_KEYS_PER_LAYER keys. On the CPU the pieces that need no
 device: the input keys, the staging buffers, the agreement check, and that nothing is replayed there.
 """
+import gc
 import warnings
 import weakref
 
@@ -206,6 +207,13 @@ def test_a_layer_keeps_at_most_its_number_of_keys(device, monkeypatch):
         _step(model, _ids(device, length=length))
     assert all(len(entries) <= 2 for entries in handle.graphs.entries.values())
     assert handle.graphs.stats["dropped"] >= 2
+    for length in (32, 32, 32, 48, 48, 48, 64, 64, 64):  # each length captured, then 32's keys dropped
+        _step(model, _ids(device, length=length))
+    # The staging buffers of dropped keys are freed: only lengths some layer still keeps have buffers.
+    gc.collect()
+    kept = {key[0][1][1] for entries in handle.graphs.entries.values() for key in entries}  # the hidden states' length
+    staged = {key[2][1] for key in handle.graphs.staging.buffers.keys() if key[:2] == ("in", 0)}
+    assert staged == kept == {48, 64}, (staged, kept)
 
 
 @pytest.mark.usefixtures("emulated")

@@ -151,10 +151,11 @@ def _brief(error: Exception) -> str:
 
 
 class _Staging:
-    """Buffers the graphs read and write, shared by all layers: one per (role, position, layout, dtype)."""
+    """Buffers the graphs read and write, shared by all layers: one per (role, position, layout, dtype). Held by the
+    graphs that read or write them, not here: a length whose keys every layer has dropped frees its buffers."""
 
     def __init__(self):
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.sources: dict[int, tuple] = {}  # id(buffer) -> (weak reference to the tensor last copied in, version)
 
     def like(self, role: str, position: int, t: torch.Tensor) -> torch.Tensor:
@@ -171,6 +172,7 @@ class _Staging:
             else:
                 buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             self.buffers[key] = buffer
+            weakref.finalize(buffer, self.sources.pop, id(buffer), None)  # a later buffer may get its id
         return buffer
 
     def stage(self, buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
@@ -190,7 +192,7 @@ class _Staging:
         self.sources.clear()
 
     def bytes(self) -> int:
-        return sum(b.untyped_storage().nbytes() for b in self.buffers.values())
+        return sum(b.untyped_storage().nbytes() for b in list(self.buffers.values()))
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
