@@ -165,6 +165,8 @@ def test_replayed_layers_give_the_gradients_of_the_calls_run_as_they_are(arch, d
     assert handle.stats.loaded_on_demand == 0
     # The staging buffers stay out of autograd (a replayed forward's input requires grad).
     assert not any(b.requires_grad for b in handle.graphs.staging.buffers.values())
+    fields = handle.graphs.log_fields()
+    assert fields["layer_graphs/replayed_backward"] == 2 * layers and handle.graphs.staging.bytes() > 0
 
 
 @pytest.mark.usefixtures("emulated")

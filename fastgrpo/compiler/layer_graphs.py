@@ -534,4 +534,5 @@ class LayerGraphs:
     def log_fields(self) -> dict:
         fields = {f"layer_graphs/{key}": value for key, value in self.stats.items()}
         fields["layer_graphs/layers_off"] = len(self.off)
+        fields["layer_graphs/staging_mib"] = round(self.staging.bytes() / 2**20)
         return fields
