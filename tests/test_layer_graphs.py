@@ -237,6 +237,35 @@ def test_a_call_whose_work_bounds_the_gpu_runs_as_it_is_and_is_counted(monkeypat
     assert stats["replayed_forward"] == stats["replayed_backward"] == 2
 
 
+@pytest.mark.usefixtures("emulated")
+def test_a_layer_whose_lengths_change_faster_than_it_replays_stops_capturing(monkeypatch):
+    """Keys captured and dropped before they replay (more lengths than MAX_KEYS_PER_LAYER, in turn) cost captures and
+    win nothing: after CHURN_CAPTURES such captures the layer runs as it is, said once; gradients stay exact."""
+    monkeypatch.setattr(layer_graphs, "MAX_KEYS_PER_LAYER", 2)
+    monkeypatch.setattr(layer_graphs, "CHURN_CAPTURES", 4)
+    model = _model("qwen3", torch.float32, "cpu", layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    with pytest.warns(UserWarning, match="lengths change faster than its graphs are replayed"):
+        for length in (32, 32, 40, 40, 48, 48) * 3:  # each key captured at its second call, dropped before a replay
+            ids = _ids("cpu", length=length)
+            _close(_reference(model, ids), _step(model, ids), 1e-4)
+    assert set(handle.graphs.off) == {0, 1}
+    # forward and backward graphs of 4 keys in each of 2 layers, none replayed
+    assert handle.graphs.stats["captured"] == 2 * 2 * 4 and handle.graphs.stats["replayed_forward"] == 0
+
+
+@pytest.mark.usefixtures("emulated")
+def test_a_layer_that_replays_its_keys_keeps_capturing(monkeypatch):
+    """Lengths that come back while their keys are kept replay, so captures go on past CHURN_CAPTURES."""
+    monkeypatch.setattr(layer_graphs, "MAX_KEYS_PER_LAYER", 2)
+    monkeypatch.setattr(layer_graphs, "CHURN_CAPTURES", 2)
+    model = _model("qwen3", torch.float32, "cpu", layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    for length in (32,) * 6 + (40,) * 6 + (48,) * 6:  # each: eager, capture, compare, then 3 replays
+        _step(model, _ids("cpu", length=length))
+    assert not handle.graphs.off and handle.graphs.stats["replayed_forward"] == 2 * 9
+
+
 def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
     """Dynamo guards on whether a compiled region's input is a view: a staging buffer that differed would make the
     capture recompile the layer (where autotuning cannot run)."""

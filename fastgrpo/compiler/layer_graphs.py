@@ -54,6 +54,11 @@ MAX_KEYS_PER_LAYER = 4
 # 10k tokens (0.3e12) 2.3x faster, Qwen2.5-1.5B at 10k (0.96e12) 1.17x; 0.5B at 35k tokens (1.04e12) ~5 % and
 # +1.4 GiB of peak.
 MAX_WORK_PER_CALL = 1e12
+# A layer whose keys change faster than they are replayed stops capturing: after CHURN_CAPTURES forward captures with
+# fewer than REPLAYS_PER_CAPTURE replays each. A key's capture and comparison cost about two more runs of its body
+# and the capture's host time, which its replays must win back (lengths that vary beyond MAX_KEYS_PER_LAYER buckets).
+CHURN_CAPTURES = 2 * MAX_KEYS_PER_LAYER
+REPLAYS_PER_CAPTURE = 2
 # A replay agrees with the call run as it is when each output differs by at most this share of its largest value.
 AGREEMENT = 1e-2
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -247,6 +252,7 @@ class LayerGraphs:
         self.entries: dict[int, collections.OrderedDict] = {}
         self.params: dict[int, list] = {}  # layer -> [(tensor, address, requires_grad)] its graphs read
         self.elements: dict[int, int] = {}  # layer -> its parameters' elements (`worth_it`)
+        self.churn: dict[int, list[int]] = {}  # layer -> [forward captures, forward replays] (CHURN_CAPTURES)
         self.staging = _Staging()
         self.off: dict[int, str] = {}  # layer -> why its calls are not replayed
         self.broken: str | None = None  # why no call is replayed any more (a capture failed: the device's state)
@@ -317,6 +323,7 @@ class LayerGraphs:
         self.drop()
         self.off.clear()
         self.accumulators.clear()
+        self.churn.clear()
 
     def _turn_off(self, layer: int, reason: str) -> None:
         self.off[layer] = reason
@@ -336,6 +343,7 @@ class LayerGraphs:
         self.staging.stage(done.inputs, [hidden, *call.graph_tensors])
         done.graph.replay()
         self.stats["replayed_forward"] += 1
+        self.churn.setdefault(call.layer, [0, 0])[1] += 1
         return self._outputs(entry, self._copied_out(done.outputs))
 
     def after_forward(self, entry: _Entry, call, hidden: torch.Tensor, out, leaves: list, rng_after: list) -> None:
@@ -384,6 +392,11 @@ class LayerGraphs:
             None if isinstance(v, torch.Tensor) else ("value", v) for v in outputs)
 
     def _capture_forward(self, entry: _Entry, call, hidden: torch.Tensor) -> None:
+        captures, replays = self.churn.setdefault(call.layer, [0, 0])
+        if captures >= CHURN_CAPTURES and replays < REPLAYS_PER_CAPTURE * captures:
+            raise _NotReplayable(f"its inputs' lengths change faster than its graphs are replayed ({captures} keys "
+                                 f"captured, {replays} replays; MAX_KEYS_PER_LAYER={MAX_KEYS_PER_LAYER})")
+        self.churn[call.layer][0] += 1
         done = entry.forward
         inputs = self._staged_inputs([hidden, *call.graph_tensors])
         self.staging.stage(inputs, [hidden, *call.graph_tensors])
