@@ -329,6 +329,12 @@ def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, mo
         if offload:
             stats = offload_handle(t.model).graphs.stats
             assert stats["replayed_forward"] == stats["replayed_backward"] == 2 and stats["captured"] == 4
+            # Padding only where a layer call (the mini-batch's rows) is small enough to be replayed.
+            ids, bucket = torch.ones(8, 40, dtype=torch.long), layer_graphs.bucket_length(40)
+            elements = sum(p.numel() for p in offload_handle(t.model).blocks[0].parameters())
+            monkeypatch.setattr(layer_graphs, "MAX_WORK_PER_CALL", 2 * elements * 2 * bucket)  # two rows a call
+            assert t._bucket_padding(ids, {}, 2) == bucket - 40 > 0
+            assert t._bucket_padding(ids, {}, None) == t._bucket_padding(ids, {}, 3) == 0
     for (plain_loss, plain_grads, plain_lengths), (loss, grads, padded_lengths) in zip(results[False], results[True]):
         assert all(n == layer_graphs.bucket_length(m) for n, m in zip(padded_lengths, plain_lengths))
         assert padded_lengths != plain_lengths  # the fixed rows' length is not a bucket's: padding ran

@@ -220,17 +220,17 @@ class GRPOTrainer(TRLGRPOTrainer):
             logs.update(handle.graphs.log_fields())
         super().log(logs, start_time)
 
-    def _bucket_padding(self, input_ids: torch.Tensor, model_inputs: dict) -> int:
+    def _bucket_padding(self, input_ids: torch.Tensor, model_inputs: dict, rows: int | None) -> int:
         """Columns to append to a training forward's rows so that its length is a bucket's
-        (`layer_graphs.bucket_length`): where the policy's layer calls are replayed as CUDA graphs, whose keys
-        include the length; not with other model inputs (images, token types). Appended columns are masked; causal
-        attention keeps them out of every real position."""
+        (`layer_graphs.bucket_length`): where the policy's layer calls, `rows` rows each (None: all), are replayed
+        as CUDA graphs, whose keys include the length; not with other model inputs (images, token types). Appended
+        columns are masked; causal attention keeps them out of every real position."""
         on_device = input_ids.is_cuda or layer_graphs.EMULATE_ON_CPU
         if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._fastgrpo_offload is not None
                 and not any(v is not None for k, v in model_inputs.items() if k != "compute_aux_loss")):
             return 0
         length = layer_graphs.bucket_length(input_ids.size(1))
-        if not self._fastgrpo_offload.graphs.worth_it(input_ids.size(0) * length):
+        if not self._fastgrpo_offload.graphs.worth_it(min(rows or input_ids.size(0), input_ids.size(0)) * length):
             return 0  # a call this large runs as it is: no padding
         return length - input_ids.size(1)
 
@@ -273,7 +273,7 @@ class GRPOTrainer(TRLGRPOTrainer):
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
             head.prompt_columns = input_ids.size(1) - logits_to_keep
-        pad = self._bucket_padding(input_ids, kwargs)
+        pad = self._bucket_padding(input_ids, kwargs, rows if isinstance(rows, int) else None)
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self._pad_id())
             attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=0)
