@@ -266,6 +266,13 @@ def test_a_layer_that_replays_its_keys_keeps_capturing(monkeypatch):
     assert not handle.graphs.off and handle.graphs.stats["replayed_forward"] == 2 * 9
 
 
+def test_a_4bit_parameter_counts_the_elements_of_its_weight():
+    bnb = pytest.importorskip("bitsandbytes")
+    packed = bnb.nn.Linear4bit(32, 64, bias=False, quant_type="nf4").to("cpu").weight
+    assert packed.numel() == 64 * 32 // 2 and layer_graphs._elements(packed) == 64 * 32
+    assert layer_graphs._elements(torch.nn.Parameter(torch.zeros(3, 5))) == 15
+
+
 def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
     """Dynamo guards on whether a compiled region's input is a view: a staging buffer that differed would make the
     capture recompile the layer (where autotuning cannot run)."""

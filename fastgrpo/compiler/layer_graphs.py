@@ -79,6 +79,13 @@ def bucket_length(n: int) -> int:
     return -(-n // step) * step
 
 
+def _elements(p: torch.Tensor) -> int:
+    """The weight elements `p` stands for: a 4-bit bitsandbytes parameter packs two in a byte (its quant_state has
+    the weight's shape)."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return p.numel() if shape is None else torch.Size(shape).numel()
+
+
 class _NotReplayable(Exception):
     """Why a layer's calls cannot be replayed."""
 
@@ -297,7 +304,7 @@ class LayerGraphs:
         """Whether a call of `layer` on `tokens` tokens is small enough to gain from a replay (`MAX_WORK_PER_CALL`)."""
         elements = self.elements.get(layer)
         if elements is None:
-            elements = self.elements[layer] = sum(p.numel() for p in self.blocks[layer].parameters())
+            elements = self.elements[layer] = sum(map(_elements, self.blocks[layer].parameters()))
         return 2 * elements * tokens <= MAX_WORK_PER_CALL
 
     def _params_unchanged(self, layer: int) -> bool:
