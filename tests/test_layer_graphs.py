@@ -266,6 +266,27 @@ def test_a_layer_that_replays_its_keys_keeps_capturing(monkeypatch):
     assert not handle.graphs.off and handle.graphs.stats["replayed_forward"] == 2 * 9
 
 
+@pytest.mark.usefixtures("emulated")
+def test_op_graphs_stand_aside_in_the_calls_of_a_layer_whose_graphs_come(monkeypatch):
+    """The gated-MLP op's own graphs (fastgrpo.kernels._graphs) are suspended in a layer call that has a key (the
+    layer graph replaces them), forward and backward, and not in a call too large for a layer graph."""
+    from fastgrpo.kernels import _graphs
+
+    model = _model("qwen3", torch.float32, "cpu", layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    seen = []
+    record = torch._dynamo.disable(lambda module, args: seen.append(_graphs._suspended))
+    handle.blocks[0].mlp.register_forward_pre_hook(record)
+    ids = _ids("cpu", length=32)
+    _step(model, ids)  # each layer's first call: run as it is, forward and recompute
+    assert len(seen) == 2 and all(seen), seen
+    seen.clear()
+    monkeypatch.setattr(layer_graphs, "MAX_WORK_PER_CALL", 0)
+    _step(model, ids)
+    assert len(seen) == 2 and not any(seen) and handle.graphs.stats["gpu_bound"] == 2
+    assert _graphs._suspended == 0
+
+
 def test_a_4bit_parameter_counts_the_elements_of_its_weight():
     bnb = pytest.importorskip("bitsandbytes")
     packed = bnb.nn.Linear4bit(32, 64, bias=False, quant_type="nf4").to("cpu").weight

@@ -21,6 +21,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from fastgrpo.kernels import _graphs
 from fastgrpo.kernels._dispatch import checkpoint_recompute, keeping_outputs
 
 
@@ -146,15 +147,17 @@ class LayerCall:
         if replayed is not None:  # a replayed forward keeps no outputs for the recompute (its frame stays empty)
             self.leaves, self.outputs = list(entry.leaves), replayed
         else:
-            x, out = self.run(hidden, hidden.requires_grad, frame)
-            outputs = flat_outputs(out)
-            self.leaves = _graph_leaves(outputs, x)
-            self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
-                v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
-            del x, out, outputs  # the forward's graph and what it saved go here
-            if entry is not None:
-                handle.graphs.after_forward(entry, self, hidden, self.outputs, self.leaves,
-                                            [torch.get_rng_state(), *get_device_states(hidden)[1]])
+            # A call whose layer graphs are on their way runs its ops as they are (_graphs.suspended).
+            with _graphs.suspended() if entry is not None else contextlib.nullcontext():
+                x, out = self.run(hidden, hidden.requires_grad, frame)
+                outputs = flat_outputs(out)
+                self.leaves = _graph_leaves(outputs, x)
+                self.outputs = out.detach() if isinstance(out, torch.Tensor) else tuple(
+                    v.detach() if isinstance(v, torch.Tensor) else v for v in outputs)
+                del x, out, outputs  # the forward's graph and what it saved go here
+                if entry is not None:
+                    handle.graphs.after_forward(entry, self, hidden, self.outputs, self.leaves,
+                                                [torch.get_rng_state(), *get_device_states(hidden)[1]])
         handle._target = (hidden, saved)
         del saved
         try:
@@ -191,9 +194,10 @@ class LayerCheckpoint(torch.autograd.Function):
             if replayed is not None:
                 found = iter(replayed)
                 return (None, next(found), *found)
-        found = LayerCheckpoint.recompute_and_differentiate(call, hidden, grads, needs)
-        if call.entry is not None:
-            graphs.after_backward(call.entry, call, hidden, grads, needs, found)
+        with _graphs.suspended() if call.entry is not None else contextlib.nullcontext():
+            found = LayerCheckpoint.recompute_and_differentiate(call, hidden, grads, needs)
+            if call.entry is not None:
+                graphs.after_backward(call.entry, call, hidden, grads, needs, found)
         return (None, *found)
 
     @staticmethod

@@ -31,6 +31,7 @@ is off CUDA, inside another capture, in inference mode, and when `ENABLED` is of
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -115,10 +116,26 @@ def _stage(staged: list[torch.Tensor], rows: list[torch.Tensor], others: list[to
         torch._foreach_copy_([buffer for buffer, _ in pairs], [t for _, t in pairs])
 
 
+_suspended = 0  # > 0 inside `suspended()`
+
+
+@contextlib.contextmanager
+def suspended():
+    """Calls run their bodies as they are inside this block: the caller replays a graph around them (a decoder
+    layer's call, fastgrpo.compiler.layer_graphs), so op graphs and their staging would be spent on calls that stop
+    coming."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
 def applies(device: torch.device) -> bool:
-    """Whether calls on `device` may be replayed: CUDA, enabled, not inside another capture, not in inference mode
-    (staging buffers made there could not be written by later calls outside it)."""
-    return (ENABLED and device.type == "cuda" and not torch.is_inference_mode_enabled()
+    """Whether calls on `device` may be replayed: CUDA, enabled, not `suspended()`, not inside another capture, not in
+    inference mode (staging buffers made there could not be written by later calls outside it)."""
+    return (ENABLED and not _suspended and device.type == "cuda" and not torch.is_inference_mode_enabled()
             and not torch.cuda.is_current_stream_capturing())
 
 
