@@ -328,8 +328,7 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                 offload = sys.modules.get("fastgrpo.compiler.offload")
                 handle = offload.offload_handle(model) if offload is not None and system in FASTGRPO_OPTIONS else None
                 if handle is not None and handle.graphs.stats["captured"]:  # layer calls replayed as CUDA graphs
-                    result["layer_graphs"] = {**handle.graphs.stats, "off": sorted(set(handle.graphs.off.values())),
-                                              "staging_mib": round(handle.graphs.staging.bytes() / 2**20)}
+                    result["layer_graphs"] = handle.graphs.summary()
                 for setting in ab:
                     setting, _, lengths = setting.partition("@")
                     if not lengths or completion in {int(c) for c in lengths.split(",")}:

@@ -233,7 +233,7 @@ def run(args) -> dict:
 def layer_graph_stats(trainer) -> dict | None:
     """fastgrpo: the policy's layer calls replayed as CUDA graphs (fastgrpo/compiler/layer_graphs.py)."""
     handle = getattr(trainer, "_fastgrpo_offload", None)
-    return None if handle is None else {**handle.graphs.stats, "staging_mib": round(handle.graphs.staging.bytes() / 2**20)}
+    return None if handle is None else handle.graphs.summary()
 
 
 def table(rows: list[dict]) -> str:

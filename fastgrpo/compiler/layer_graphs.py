@@ -276,6 +276,9 @@ class LayerGraphs:
                 and not torch.is_inference_mode_enabled()
                 and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
+        if not self.worth_it(hidden.numel() // hidden.size(-1), layer):  # before any other work on the call
+            self.stats["gpu_bound"] += 1
+            return None
         try:
             tensors, others = _flatten(call.args, call.kwargs)
         except _NotReplayable as reason:
@@ -284,9 +287,6 @@ class LayerGraphs:
         if not self._params_unchanged(layer):
             self.drop(layer)
             self._params_unchanged(layer)  # records them again
-        if not self.worth_it(hidden.numel() // hidden.size(-1), layer):
-            self.stats["gpu_bound"] += 1
-            return None
         key = (_tensor_key(hidden), others, tuple(tuple(sorted(state.items())) for state in call.autocast))
         entries = self.entries.setdefault(layer, collections.OrderedDict())
         entry = entries.get(key)
@@ -551,8 +551,13 @@ class LayerGraphs:
             return tensors[0]
         return tuple(t if slot is None else slot[1] for t, slot in zip(tensors, entry.out_shape))
 
+    def summary(self) -> dict:
+        """The counters, the staging buffers' MiB and the reasons layers are off (benchmark rows)."""
+        return {**self.stats, "staging_mib": round(self.staging.bytes() / 2**20), "off": sorted(set(self.off.values()))}
+
     def log_fields(self) -> dict:
-        fields = {f"layer_graphs/{key}": value for key, value in self.stats.items()}
+        summary = self.summary()
+        del summary["off"]
+        fields = {f"layer_graphs/{key}": value for key, value in summary.items()}
         fields["layer_graphs/layers_off"] = len(self.off)
-        fields["layer_graphs/staging_mib"] = round(self.staging.bytes() / 2**20)
         return fields
