@@ -107,12 +107,12 @@ def recorded_step(step, args, model, stacks: str) -> dict:
 
 
 def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, depth: int,
-            shape: str = harness.DEFAULT_SHAPE) -> dict:
+            shape: str = harness.DEFAULT_SHAPE, warmup: int = 1) -> dict:
     model = grpo_step.build_policy(system, prompt + completion + 8, tiny=False, shape=shape)
     device = next(model.parameters()).device
     ids, mask, adv, tokens, lengths = grpo_step.make_batch(model.config.vocab_size, prompt, completion, spread, device)
     step = grpo_step.with_mixed_precision(grpo_step.make_step(system, model, mask.shape[1], prompt), device)
-    grpo_step.timed_steps(step, (ids, mask, adv), model, 1)  # compile and warm up
+    grpo_step.timed_steps(step, (ids, mask, adv), model, warmup)  # compile and warm up (the graphs capture)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -129,14 +129,18 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
             torch.cuda.reset_peak_memory_stats()
     trace = snapshot["device_traces"][device.index or 0]
     peak, alive = live_at_peak(trace)
+    graphs = sys.modules.get("fastgrpo.kernels._graphs")
+    pool = graphs.graph_pool_bytes() if graphs is not None else 0
     sites = by_site(alive, depth)[:rows]
     row = dict(shape=shape, system=system, prompt=prompt, completion=completion, spread=spread, tokens=tokens,
                before_gib=round(base / 2**30, 2), peak_gib=harness.peak_gib(), trace_peak_gib=round(peak / 2**30, 2),
+               graph_pool_gib=round(pool / 2**30, 3), warmup=warmup,
                blocks_alive=len(alive), sites=[dict(site=site, gib=round(size / 2**30, 3), blocks=n)
                                                for site, size, n in sites])
     print(f"MEMORY {shape} {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} "
           f"tokens): in use before the step {row['before_gib']:.2f} GiB, peak {row['peak_gib']:.2f} GiB "
-          f"(trace: +{row['trace_peak_gib']:.2f} GiB at its peak, {len(alive)} blocks alive then)")
+          f"(trace: +{row['trace_peak_gib']:.2f} GiB at its peak, {len(alive)} blocks alive then; the graphs' pool "
+          f"{row['graph_pool_gib']:.3f} GiB, reserved beside it)")
     print(harness.markdown_table(("allocated by (innermost first)", "GiB", "blocks"),
                                  [(site, f"{size / 2**30:.3f}", n) for site, size, n in sites]))
     print(f"Blocks of 1 MiB or more alive at the peak, in allocation order (of {len(trace)} trace events):")
@@ -155,12 +159,16 @@ def main(argv=None) -> int:
     parser.add_argument("--spread", action="store_true", help="completion lengths of grpo_step.py --spread")
     parser.add_argument("--rows", type=int, default=20, help="sites to print per system")
     parser.add_argument("--depth", type=int, default=3, help="Python frames per site")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="steps before the recorded one (3: the layer graphs capture at a call's second step and "
+                        "check at its third)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("memory_peak.py needs CUDA (the allocator history is CUDA's)", file=sys.stderr)
         return 1
     for system in args.systems.split(","):
-        row = measure(system, args.completion, args.prompt, args.spread, args.rows, args.depth, args.shape)
+        row = measure(system, args.completion, args.prompt, args.spread, args.rows, args.depth, args.shape,
+                      args.warmup)
         harness.record("memory_peak", [row])
     print(f"rows appended to {harness.results_path('memory_peak')}")
     return 0
