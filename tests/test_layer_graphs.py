@@ -6,6 +6,7 @@ drops the graphs that read it, and a layer keeps at most MAX_KEYS_PER_LAYER keys
 device: the input keys, the staging buffers, the agreement check, and that nothing is replayed there.
 """
 import gc
+import types
 import warnings
 import weakref
 
@@ -219,6 +220,24 @@ def test_a_layer_keeps_at_most_its_number_of_keys(device, monkeypatch):
 
 
 @pytest.mark.usefixtures("emulated")
+def test_a_call_with_an_input_no_key_can_hold_runs_as_it_is_and_its_layer_stays_on():
+    # A flex_attention BlockMask (packed rows of a model whose layers need the mask) says nothing about the layer:
+    # that call runs as it is, counted and said once; the layer's other calls are captured and replayed.
+    model = _model("qwen3", torch.float32, "cpu", layers=2)
+    handle = enable_offloaded_checkpointing(model)
+    graphs = handle.graphs
+    odd = types.SimpleNamespace(layer=1, args=(), kwargs={"attention_mask": object()}, autocast=())
+    hidden = torch.zeros(1, 8, model.config.hidden_size)
+    with pytest.warns(UserWarning, match="calls with a layer input of type object run as they are"):
+        assert graphs.entry(odd, hidden) is None
+    assert graphs.entry(odd, hidden) is None and graphs.stats["unkeyed"] == 2 and not graphs.off
+    ids = _ids("cpu", rows=2, length=32)
+    for _ in range(4):
+        _close(_reference(model, ids), _step(model, ids), 1e-4)
+    assert graphs.stats["replayed_forward"] > 0 and not graphs.off
+
+
+@pytest.mark.usefixtures("emulated")
 def test_a_call_whose_work_bounds_the_gpu_runs_as_it_is_and_is_counted(monkeypatch):
     """Calls above MAX_WORK_PER_CALL (2 x the layer's parameters x tokens) are neither captured nor replayed; smaller
     calls of the same model are."""
@@ -307,10 +326,12 @@ def test_a_staging_buffer_is_a_view_exactly_where_its_input_is_one():
     assert len(flat_outputs(plain)) == 1 and flat_outputs((plain, None, 3))[2] == 3
 
 
-def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, monkeypatch, packing):
     """fastgrpo's GRPOTrainer with offloaded checkpointing: a training forward's rows are padded to a length bucket
-    (appended columns, masked), its layers are captured and replayed (emulated here), and loss and LoRA gradients
-    equal those of the trainer without offloading, graphs or padding, in every step."""
+    (appended columns, masked; packed rows: appended tokens, `packing.pad_plan`), its layers are captured and replayed
+    (emulated here), and loss and LoRA gradients equal those of the trainer without offloading, graphs or padding, in
+    every step. Two batches of one bucket take turns (a completion one token shorter): their calls share graphs."""
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -330,7 +351,7 @@ def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, mo
         torch.manual_seed(0)
         model = tiny_model("qwen2", vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=tokenizer.pad_token_id,
                            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-        args = F.GRPOConfig(**common_args(tmp_path, beta=0.0, loss_type="dapo", fastgrpo_packing=False,
+        args = F.GRPOConfig(**common_args(tmp_path, beta=0.0, loss_type="dapo", fastgrpo_packing=packing,
                                           fastgrpo_compile_options={"inner": "eager"},
                                           fastgrpo_offload_checkpointing=offload))
         built = F.GRPOTrainer(model=model, reward_funcs=low_id_fraction, args=args, processing_class=tokenizer,
@@ -346,10 +367,13 @@ def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, mo
     for offload in (False, True):
         t = trainer(offload)
         inputs = make_inputs(t, tokenizer.eos_token_id)
+        shorter = dict(inputs, completion_mask=inputs["completion_mask"].clone())
+        row = int(inputs["completion_mask"].sum(1).argmax())
+        shorter["completion_mask"][row, int(inputs["completion_mask"][row].nonzero().max())] = 0
         steps = []
-        for _ in range(4):  # eager, capture, compare, replay
+        for step in range(4):  # eager, capture, compare, replay
             lengths.clear()
-            loss = t.compute_loss(t.model, inputs)
+            loss = t.compute_loss(t.model, shorter if step % 2 else inputs)
             loss.backward()
             steps.append((loss.detach(), {n: p.grad.clone() for n, p in lora_params(t.model)}, list(lengths)))
             t.model.zero_grad(set_to_none=True)
@@ -363,6 +387,8 @@ def test_the_trainer_pads_to_a_length_bucket_and_replays_its_layers(tmp_path, mo
             monkeypatch.setattr(layer_graphs, "MAX_WORK_PER_CALL", 2 * elements * 2 * bucket)  # two rows a call
             assert t._bucket_padding(ids, {}, 2) == bucket - 40 > 0
             assert t._bucket_padding(ids, {}, None) == t._bucket_padding(ids, {}, 3) == 0
+    if packing:  # the packed batches' own lengths differ; their bucket, and so their graphs, do not
+        assert results[False][0][2][0] != results[False][1][2][0] and results[True][0][2][0] == results[True][1][2][0]
     for (plain_loss, plain_grads, plain_lengths), (loss, grads, padded_lengths) in zip(results[False], results[True]):
         assert all(n == layer_graphs.bucket_length(m) for n, m in zip(padded_lengths, plain_lengths))
         assert padded_lengths != plain_lengths  # the fixed rows' length is not a bucket's: padding ran

@@ -15,7 +15,9 @@ import torch
 
 import fastgrpo
 from fastgrpo.integrations import packing
-from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, plan_packing
+from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
+from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, graph_segments, pad_plan, plan_packing
+from fastgrpo.kernels._dispatch import next_power_of_2
 from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
 from fastgrpo.kernels.packed_attention import compute_dtype, packed_attention
 from torch.nn.attention.flex_attention import BlockMask
@@ -440,6 +442,105 @@ def test_packed_attention_never_takes_the_flex_decoding_kernel(monkeypatch):
     assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * layers + [{"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 64}] * layers
 
 
+# ---- packed calls whose layer calls replay as CUDA graphs ----
+
+
+def _replaying(share=False) -> Packer:
+    packer = Packer(share_prompt=share)
+    packer.replays = lambda tokens, device: True  # the trainer's answer where the layer graphs take the calls
+    return packer
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("share", [False, True])
+def test_a_call_whose_layers_replay_takes_a_bucket_s_shapes_and_gives_the_same_values(arch, share):
+    # The layer graphs key a call by its inputs' shapes and ints: the packed call takes a length bucket's tokens
+    # (the appended ones a segment of their own), a fixed number of segments, the keys' gather of a bucket's length,
+    # and longest segments rounded up to a power of 2. Log-probs, entropies and LoRA gradients stay the padded
+    # batch's; no mask is built (every layer takes the segments).
+    model = tiny_model(arch, lora=True, **ARCHS[arch])
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    padded = run(model, head, None, batch)
+    packer = _replaying(share)
+    with _no_fallback():
+        assert_same(padded, run(model, head, packer, batch))
+    natural, plan = plan_packing(*batch, PROMPT_COLUMNS, share)[0], packer.last_plan
+    assert plan.length == bucket_length(natural.length) > natural.length
+    assert plan.cu_seqlens.numel() == graph_segments(len(ROWS)) + 1
+    assert plan.cu_seqlens.tolist()[: natural.cu_seqlens.numel() + 1] == [*natural.cu_seqlens.tolist(), plan.length]
+    # At least the most a bucket appends (here more than any row's length), so the appended segment moves neither.
+    least = bucket_step(natural.length)
+    assert plan.longest == next_power_of_2(max(natural.longest, least))
+    keys = int(natural.cu_seqlens_k[-1])
+    least_k = least + (bucket_step(keys + plan.length - natural.length) if share else 0)
+    assert plan.longest_k == next_power_of_2(max(natural.longest_k, least_k))
+    if share:
+        keys = int(natural.cu_seqlens_k[-1])
+        assert plan.kv_index.numel() == bucket_length(keys + plan.length - natural.length) == int(plan.cu_seqlens_k[-1])
+        assert torch.equal(plan.kv_index[:keys], natural.kv_index)
+        assert plan.kv_index[keys:].min() >= natural.length  # the appended segment sees appended tokens only
+    else:
+        assert plan.kv_index is None and plan.cu_seqlens_k is plan.cu_seqlens
+    call = packer.prepare(model.get_base_model(), {"input_ids": batch[0], "attention_mask": batch[1]}, batch[2],
+                          PROMPT_COLUMNS)
+    assert call.kwargs["fastgrpo_mask_free"] and call.kwargs["attention_mask"].shape == (1, 1, 1, 1)
+
+
+def test_batches_of_one_bucket_give_their_calls_one_key():
+    # Two batches whose packed lengths differ but share a bucket: the same shapes and ints in every input of the
+    # decoder's call (what a layer graph's key holds), so one graph serves both.
+    model = tiny_model("llama", lora=True)
+    base = model.get_base_model()
+    shorter = [(p, max(c - 1, 0)) for p, c in ROWS]
+    calls = []
+    for rows in (ROWS, shorter):
+        ids, mask, labels = padded_batch(model.config.vocab_size, rows=rows)
+        call = _replaying(share=True).prepare(base, {"input_ids": ids, "attention_mask": mask}, labels,
+                                              max(p for p, _ in rows))
+        calls.append({k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+                      for k, v in call.kwargs.items()})
+        assert call.plan.length == bucket_length(plan_packing(ids, mask, labels, max(p for p, _ in rows),
+                                                              True)[0].length)
+    assert calls[0] == calls[1]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_layers_that_need_the_mask_get_it_and_no_bucket(arch):
+    # Soft-capped logits (gemma2) or sliding windows (gemma3, whose tiny window cuts the rows): some layer takes the
+    # mask, so the call carries it and keeps its own length (a mask's closure would not follow a graph's replay).
+    model = tiny_model(arch, lora=True, **ARCHS[arch])
+    ids, mask, labels = padded_batch(model.config.vocab_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call = _replaying().prepare(model.get_base_model(), {"input_ids": ids, "attention_mask": mask}, labels,
+                                    PROMPT_COLUMNS)
+    assert not call.kwargs.get("fastgrpo_mask_free")
+    assert call.plan.length == plan_packing(ids, mask, labels, PROMPT_COLUMNS)[0].length
+
+
+def test_a_mask_free_call_that_reaches_a_layer_without_segments_fails_loudly(monkeypatch):
+    # segments_everywhere decides from the model; should a layer's call still refuse the segments, the call stops
+    # with the setting that avoids it, rather than attending across rows.
+    model = tiny_model("llama", lora=True)
+    head = head_on(model)
+    monkeypatch.setattr(packing, "_layer_takes_varlen", lambda *args: False)
+    with pytest.raises(RuntimeError, match="fastgrpo_packing=False"):
+        run(model, head, Packer(), padded_batch(model.config.vocab_size), grad=False)
+
+
+def test_a_padded_plan_refuses_shapes_that_cannot_hold_it():
+    ids, mask, labels = padded_batch(vocab=50)
+    plan = plan_packing(ids, mask, labels, PROMPT_COLUMNS, share_prompt=True)[0]
+    segments = plan.cu_seqlens.numel() - 1
+    with pytest.raises(ValueError, match="cannot hold"):
+        pad_plan(plan, plan.length - 1, segments + 1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        pad_plan(plan, plan.length, segments)
+    with pytest.raises(ValueError, match="key gather"):
+        pad_plan(plan, plan.length + 4, segments + 1, int(plan.cu_seqlens_k[-1]) + 3)
+
+
 # What the packer says when layers take the mask rather than variable-length attention: packed all the same.
 ATTENTION_NOTES = "fastgrpo: (packed rows|sliding-window layers) run .*, not variable-length attention"
 
@@ -568,7 +669,8 @@ def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
 
     padded = error(None)
     assert not segment_dtypes
-    for packer in (Packer(), Packer(share_prompt=True)):
+    # The last two as calls whose layers replay as CUDA graphs send them: a bucket's shapes, empty segments last.
+    for packer in (Packer(), Packer(share_prompt=True), _replaying(), _replaying(share=True)):
         segment_dtypes.clear()
         segments = error(packer)
         assert packer.last_plan is not None and (packer.last_plan.kv_index is not None) == packer.share_prompt

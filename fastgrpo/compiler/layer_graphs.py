@@ -7,7 +7,8 @@ one's first, Dynamo's guards, AOTAutograd's runtime wrappers and the custom ops'
 (recompute, then `torch.autograd.grad`), so each is captured whole as a CUDA graph and replayed:
 
 - a call's key: the layer, every tensor input's shape, strides, dtype and grad flag, the other inputs' values, the
-  autocast state; a backward's key adds which inputs need gradients and the incoming gradients' layouts. A layer keeps
+  autocast state (a call with an input that is none of these, such as a flex_attention `BlockMask`, runs as it is
+  and is counted as `unkeyed`; the layer's other calls still replay); a backward's key adds which inputs need gradients and the incoming gradients' layouts. A layer keeps
   MAX_KEYS_PER_LAYER keys (the least recently used dropped), so a run whose lengths vary keeps a few graphs a layer;
   the GRPO trainer pads lengths to buckets for that (`fastgrpo.integrations.trl`).
 - a key's first call runs as it is (compiles, autotunes) and shows whether the layer can be replayed: no random
@@ -73,9 +74,14 @@ LENGTH_BUCKETS_PER_OCTAVE = 16
 MIN_LENGTH_STEP = 64
 
 
+def bucket_step(n: int) -> int:
+    """The spacing of the buckets around `n`: max(largest power of 2 <= n / 16, 64); a bucket adds less than it."""
+    return max(MIN_LENGTH_STEP, (1 << max(n.bit_length() - 1, 0)) // LENGTH_BUCKETS_PER_OCTAVE)
+
+
 def bucket_length(n: int) -> int:
-    """`n` rounded up to its bucket: a multiple of max(largest power of 2 <= n / 16, 64)."""
-    step = max(MIN_LENGTH_STEP, (1 << max(n.bit_length() - 1, 0)) // LENGTH_BUCKETS_PER_OCTAVE)
+    """`n` rounded up to its bucket: a multiple of `bucket_step(n)`."""
+    step = bucket_step(n)
     return -(-n // step) * step
 
 
@@ -265,7 +271,7 @@ class LayerGraphs:
         self.broken: str | None = None  # why no call is replayed any more (a capture failed: the device's state)
         self.accumulators: dict[int, list] = {}  # layer -> its leaves' AccumulateGrad nodes, made on the capture stream
         self.stats = {"captured": 0, "replayed_forward": 0, "replayed_backward": 0, "eager": 0, "dropped": 0,
-                      "gpu_bound": 0}
+                      "gpu_bound": 0, "unkeyed": 0}
         self._warned: set[str] = set()
 
     # ---- keys ----------------------------------------------------------------------------------------------
@@ -281,8 +287,9 @@ class LayerGraphs:
             return None
         try:
             tensors, others = _flatten(call.args, call.kwargs)
-        except _NotReplayable as reason:
-            self._turn_off(layer, str(reason))
+        except _NotReplayable as reason:  # this call's inputs, not the layer: its other calls may still replay
+            self.stats["unkeyed"] += 1
+            self._warn_once(f"decoder layers' calls with {reason} run as they are, not as CUDA graphs")
             return None
         if not self._params_unchanged(layer):
             self.drop(layer)
@@ -340,6 +347,11 @@ class LayerGraphs:
             self._warned.add(reason)
             warnings.warn(f"fastgrpo: decoder layer {layer}'s checkpointed calls are not replayed as CUDA graphs: "
                           f"{reason}", stacklevel=4)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"fastgrpo: {message}", stacklevel=4)
 
     # ---- the forward -----------------------------------------------------------------------------------------
     def replay_forward(self, entry: _Entry, call, hidden: torch.Tensor):

@@ -23,17 +23,25 @@ prompt G times. Here the rows become one sequence of length T = sum of real toke
   small T belong there).
 - The scored positions (labels != -100) are read off the packed hidden states at `plan.source`
   and written back with `plan.rows, plan.cols` into TRL's padded [B, S - 1] layout.
+- Where every layer takes the segments (`segments_everywhere`), the packed call builds no mask at all, and where its
+  layer calls replay as CUDA graphs (fastgrpo.compiler.layer_graphs, whose keys hold every input's shape and the ints
+  it is given) `pad_plan` gives it the shapes of a length bucket, so that a few graphs serve batches whose lengths
+  vary.
 
 Pure torch and transformers; the caller (fastgrpo.integrations.trl) decides when to use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
+from fastgrpo.kernels._dispatch import next_power_of_2
 from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, compute_dtype, flash_refusal, packed_attention
 
 # Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,
@@ -250,6 +258,64 @@ def _append(flat_index, positions, groups, segments, prompt_flags, flat_start, l
     prompt_flags.append(torch.full((length,), is_prompt, dtype=torch.bool, device=device))
 
 
+def graph_segments(rows: int) -> int:
+    """Attention segments a padded plan of `rows` rows has (`pad_plan`): a prompt and a completion a row at most,
+    and the appended tokens."""
+    return 2 * rows + 1
+
+
+def pad_plan(plan: PackPlan, length: int, segments: int, key_length: int | None = None, least: int = 1,
+             least_k: int = 1) -> PackPlan:
+    """`plan` with the shapes of a bucket, for a call whose layers replay as CUDA graphs: `length` tokens (at least
+    plan.length), `segments` attention segments (more than plan's), the keys' gather (shared prompts) `key_length`
+    long (at least its own length plus the appended tokens), and the longest query and key segments rounded up to a
+    power of 2 of at least `least` / `least_k` (the kernels take them as bounds on the segments' lengths, which fix
+    their grids; given the most a bucket appends, the appended segment does not move them).
+
+    The appended tokens (id 0, positions from 0, no group: the mask rule hides them) are one segment of their own,
+    whose keys are themselves and, past them, copies of the last one; the segments after it are empty. Nothing scored
+    reads them: attention stays within a segment and every other op of a decoder acts per token, so log-probs are the
+    plan's, and the appended tokens, whose outputs get no gradient, add none."""
+    total, count = plan.length, plan.cu_seqlens.numel() - 1
+    if length < total or segments <= count:
+        raise ValueError(f"pad_plan: {length} tokens and {segments} segments cannot hold a plan of {total} tokens "
+                         f"and {count} segments plus one of padding")
+    device, extra = plan.input_ids.device, length - total
+    keys = int(plan.cu_seqlens_k[-1]) if plan.kv_index is not None else total
+    key_length = keys + extra if key_length is None or plan.kv_index is None else key_length
+    if key_length < keys + extra:
+        raise ValueError(f"pad_plan: a key gather of {key_length} cannot hold {keys} keys and {extra} appended")
+
+    def bounds(cu: torch.Tensor, end: int) -> torch.Tensor:
+        return torch.cat([cu, cu.new_full((segments - count,), end)])
+
+    padded = -(-length // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
+    old = plan.group.numel()
+
+    def grown(values, fill):
+        return torch.cat([values[:total], values.new_full((padded - total,), fill)]) if padded != old else values
+
+    appended = torch.arange(extra, device=device)
+    kv_index = None
+    if plan.kv_index is not None:
+        filler = plan.kv_index.new_full((key_length - keys - extra,), length - 1 if extra else 0)
+        kv_index = torch.cat([plan.kv_index, appended + total, filler])
+    cu_seqlens = bounds(plan.cu_seqlens, length)
+    positions = torch.cat([plan.positions[:total], appended, plan.positions.new_zeros(padded - length)])
+    return dataclasses.replace(
+        plan,
+        input_ids=torch.cat([plan.input_ids, plan.input_ids.new_zeros((1, extra))], 1),
+        position_ids=torch.cat([plan.position_ids, appended[None].to(plan.position_ids.dtype)], 1),
+        group=grown(plan.group, -1), segment=grown(plan.segment, -1), is_prompt=grown(plan.is_prompt, False),
+        positions=positions,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_k=bounds(plan.cu_seqlens_k, key_length) if kv_index is not None else cu_seqlens,
+        kv_index=kv_index,
+        longest=next_power_of_2(max(plan.longest, extra, least)),
+        longest_k=next_power_of_2(max(plan.longest_k, key_length - keys, least_k)),
+    )
+
+
 def _sharing_problem(rows, first, last, scored, col, prompt_columns) -> str | None:
     if prompt_columns is None:
         return "the prompt/completion boundary is unknown"
@@ -407,7 +473,10 @@ def block_mask(plan: PackPlan, window: int | None = None):
 PACKED_ATTENTION_PREFIX = "fastgrpo_packed+"
 # What the packed call hands every attention call for variable-length attention: transformers' FlashAttentionKwargs,
 # which its decoders pass down, and the gather of the keys' copy (PackPlan.kv_index), which they pass on as well.
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "fastgrpo_kv_index")
+# `fastgrpo_mask_free`: the call carries no mask (a [1, 1, 1, 1] stand-in that transformers passes on as it is), so
+# every layer must take the segments.
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "fastgrpo_kv_index",
+                 "fastgrpo_mask_free")
 
 
 def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: bool) -> str | None:
@@ -442,6 +511,20 @@ def _layer_takes_varlen(module, query, key, window, kwargs) -> bool:
                                                     key.shape[1], window) is None))
 
 
+def segments_everywhere(config, decoder: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                        training: bool) -> bool:
+    """Whether every attention layer takes packed rows as variable-length segments, as `_layer_takes_varlen` will
+    find in each call: `varlen_refusal` has no reason, no layer has a sliding window, and no attention module is
+    bidirectional or has attention sinks. Then a packed call needs no mask."""
+    if varlen_refusal(config, dtype, device, training) is not None:
+        return False
+    text = config.get_text_config()
+    if "sliding_attention" in layer_kinds(config) and getattr(text, "sliding_window", None) is not None:
+        return False
+    return not any(getattr(m, "is_causal", True) is False or isinstance(getattr(m, "sinks", None), torch.Tensor)
+                   for m in decoder.modules())
+
+
 def use_mask_dispatched_attention(config) -> None:
     """Make the model's attention choose per call: variable-length attention over the packed rows when the call
     carries their bounds (VARLEN_KWARGS) and the layer allows it, flex_attention when its mask is a packed
@@ -467,7 +550,13 @@ def use_mask_dispatched_attention(config) -> None:
             varlen = {kwarg: kwargs.pop(kwarg, None) for kwarg in VARLEN_KWARGS}
             bounds = varlen["cu_seq_lens_q"]
             window = None if bounds is None else _window_of_call(varlen["max_length_k"], kwargs)
-            if bounds is not None and _layer_takes_varlen(module, query, key, window, kwargs):
+            takes_segments = bounds is not None and _layer_takes_varlen(module, query, key, window, kwargs)
+            if varlen["fastgrpo_mask_free"] and not takes_segments:
+                raise RuntimeError(
+                    f"fastgrpo: a packed call without a mask reached an attention layer ({type(module).__name__}) "
+                    "that cannot run its rows as variable-length segments; packing.segments_everywhere missed what "
+                    "this layer's call shows. Set fastgrpo_packing=False to run such batches padded")
+            if takes_segments:
                 # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
                 q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
                 if (gather := varlen["fastgrpo_kv_index"]) is not None:
@@ -521,6 +610,10 @@ class Packer:
         self.min_saved = min_saved
         self.said: set[str] = set()
         self.last_plan: PackPlan | None = None
+        # Set by the trainer: whether the layer calls of a packed call of this many tokens (a `bucket_length`) on this
+        # device replay as CUDA graphs; such a call, where it is mask-free, is padded to the bucket (`pad_plan`).
+        self.replays: Callable[[int, torch.device], bool] | None = None
+        self._everywhere: dict[tuple, bool] = {}  # segments_everywhere per (decoder, dtype, device, training)
 
     def say_once(self, message: str) -> None:
         if message not in self.said:
@@ -569,14 +662,25 @@ class Packer:
                           f"flash kernel ({torch.__version__}) takes no sliding window")
         if implementation == "flex_attention" or varlen:
             use_mask_dispatched_attention(model.config)
-        masks = attention_masks(plan, model.config, implementation, dtype)
+        mask_free = varlen and self._segments_everywhere(model.config, decoder, dtype, input_ids.device, model.training)
+        length = bucket_length(plan.length)
+        if mask_free and self.replays is not None and self.replays(length, input_ids.device):
+            # Its layer calls replay as CUDA graphs: the shapes of a bucket.
+            keys = int(plan.cu_seqlens_k[-1]) + length - plan.length
+            least_k = bucket_step(length) + (bucket_step(keys) if plan.kv_index is not None else 0)
+            plan = pad_plan(plan, length, graph_segments(input_ids.size(0)),
+                            None if plan.kv_index is None else bucket_length(keys), bucket_step(length), least_k)
+        if mask_free:  # a stand-in that transformers passes on as it is (a 4-D mask): no [T, T] and no BlockMask
+            masks = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        else:
+            masks = attention_masks(plan, model.config, implementation, dtype)
         for dense in (masks.values() if isinstance(masks, dict) else [masks]):
-            if isinstance(dense, torch.Tensor):  # the packed length changes every batch: compile it dynamic
+            if isinstance(dense, torch.Tensor) and not mask_free:  # the packed length changes every batch: dynamic
                 torch._dynamo.maybe_mark_dynamic(dense, 2)
                 torch._dynamo.maybe_mark_dynamic(dense, 3)
         self.last_plan = plan
         kwargs = dict(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=masks, use_cache=False)
-        if varlen:  # the mask stays for layers that cannot take segments (_layer_takes_varlen)
+        if varlen:  # the mask (unless mask_free) stays for layers that cannot take segments (_layer_takes_varlen)
             for bounds in (plan.cu_seqlens, plan.cu_seqlens_k, plan.kv_index):
                 if bounds is not None:
                     torch._dynamo.maybe_mark_dynamic(bounds, 0)
@@ -584,8 +688,14 @@ class Packer:
             # called with another made Dynamo's recompile-reason formatting raise KeyError('fastgrpo_kv_index')
             # (H200, tests/test_packing.py::test_bf16_segments_match_padded_attention[phi3-cuda], once in three runs).
             kwargs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens_k, max_length_q=plan.longest,
-                          max_length_k=plan.longest_k, fastgrpo_kv_index=plan.kv_index)
+                          max_length_k=plan.longest_k, fastgrpo_kv_index=plan.kv_index, fastgrpo_mask_free=mask_free)
         return PackedCall(plan, kwargs)
+
+    def _segments_everywhere(self, config, decoder, dtype, device, training) -> bool:
+        key = (id(decoder), dtype, device, training)
+        if key not in self._everywhere:
+            self._everywhere[key] = segments_everywhere(config, decoder, dtype, device, training)
+        return self._everywhere[key]
 
     def _implementation(self, config, device, plan: PackPlan) -> str:
         """The attention implementation to use, or "!reason" when none fits."""

@@ -94,6 +94,9 @@ class GRPOTrainer(TRLGRPOTrainer):
             head.install(causal_lm_of(target))
             self._fastgrpo_heads.append(head)
         self._fastgrpo_offload = self._offload_checkpointing() if self._offload_on() else None
+        for head in self._fastgrpo_heads:
+            if head.packer is not None:  # packed calls whose layers replay take a length bucket's shapes
+                head.packer.replays = self._layer_calls_replay
         self.add_callback(self._compile_log)
         if args.fastgrpo_compile:
             self.add_callback(FusionSummary())
@@ -225,14 +228,19 @@ class GRPOTrainer(TRLGRPOTrainer):
         (`layer_graphs.bucket_length`): where the policy's layer calls, `rows` rows each (None: all), are replayed
         as CUDA graphs, whose keys include the length; not with other model inputs (images, token types). Appended
         columns are masked; causal attention keeps them out of every real position."""
-        on_device = input_ids.is_cuda or layer_graphs.EMULATE_ON_CPU
-        if not (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._fastgrpo_offload is not None
-                and not any(v is not None for k, v in model_inputs.items() if k != "compute_aux_loss")):
+        if any(v is not None for k, v in model_inputs.items() if k != "compute_aux_loss"):
             return 0
         length = layer_graphs.bucket_length(input_ids.size(1))
-        if not self._fastgrpo_offload.graphs.worth_it(min(rows or input_ids.size(0), input_ids.size(0)) * length):
-            return 0  # a call this large runs as it is: no padding
+        if not self._layer_calls_replay(min(rows or input_ids.size(0), input_ids.size(0)) * length, input_ids.device):
+            return 0  # a call this large runs as it is (or nothing replays): no padding
         return length - input_ids.size(1)
+
+    def _layer_calls_replay(self, tokens: int, device: torch.device) -> bool:
+        """Whether the policy's layer calls on `tokens` tokens replay as CUDA graphs (`layer_graphs`): offloaded
+        checkpointing on, gradients on, on CUDA, and a call small enough (`LayerGraphs.worth_it`)."""
+        on_device = device.type == "cuda" or layer_graphs.EMULATE_ON_CPU
+        return (layer_graphs.ENABLED and on_device and torch.is_grad_enabled() and self._fastgrpo_offload is not None
+                and self._fastgrpo_offload.graphs.worth_it(tokens))
 
     def _offload_on(self) -> bool:
         choice = self.args.fastgrpo_offload_checkpointing
