@@ -8,9 +8,10 @@ one's first, Dynamo's guards, AOTAutograd's runtime wrappers and the custom ops'
 
 - a call's key: the layer, every tensor input's shape, strides, dtype and grad flag, the other inputs' values, the
   autocast state (a call with an input that is none of these, such as a flex_attention `BlockMask`, runs as it is
-  and is counted as `unkeyed`; the layer's other calls still replay); a backward's key adds which inputs need gradients and the incoming gradients' layouts. A layer keeps
-  MAX_KEYS_PER_LAYER keys (the least recently used dropped), so a run whose lengths vary keeps a few graphs a layer;
-  the GRPO trainer pads lengths to buckets for that (`fastgrpo.integrations.trl`).
+  and is counted as `unkeyed`; the layer's other calls still replay); a backward's key adds which inputs need
+  gradients and the incoming gradients' layouts. A layer keeps MAX_KEYS_PER_LAYER keys (the least recently used
+  dropped), so a run whose lengths vary keeps a few graphs a layer; the GRPO trainer pads lengths to buckets for that
+  (`fastgrpo.integrations.trl`; packed rows: `fastgrpo.integrations.packing.pad_plan`).
 - a key's first call runs as it is (compiles, autotunes) and shows whether the layer can be replayed: no random
   numbers drawn (dropout: the recompute must draw the same), its gradients only for the layer's parameters, outputs a
   tensor or a flat tuple. Its second call captures (after a warm-up run on the capture stream, as torch asks); its
