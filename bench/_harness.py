@@ -229,15 +229,18 @@ def peak_above(fn):
     return out, torch.cuda.max_memory_allocated() - base
 
 
+def graph_pool_bytes() -> int:
+    """The memory pool that fastgrpo's graphs keep for their temporaries (fastgrpo/kernels/_graphs.py: reserved, so
+    not counted as allocated while they replay); 0 where fastgrpo's graphs were never imported."""
+    graphs = sys.modules.get("fastgrpo.kernels._graphs")
+    return graphs.graph_pool_bytes() if graphs is not None else 0
+
+
 def peak_gib() -> float | None:
-    """The device's peak allocated GiB since reset_peak(), plus the memory pool that fastgrpo's op graphs keep for
-    their temporaries (fastgrpo/kernels/_graphs.py: reserved, so not counted as allocated while they replay); two
-    decimals; None on the CPU."""
+    """The device's peak allocated GiB since reset_peak(), plus `graph_pool_bytes()`; two decimals; None on the CPU."""
     if not torch.cuda.is_available():
         return None
-    graphs = sys.modules.get("fastgrpo.kernels._graphs")
-    pool = graphs.graph_pool_bytes() if graphs is not None else 0
-    return round((torch.cuda.max_memory_allocated() + pool) / 2**30, 2)
+    return round((torch.cuda.max_memory_allocated() + graph_pool_bytes()) / 2**30, 2)
 
 
 @contextlib.contextmanager

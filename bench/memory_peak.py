@@ -129,8 +129,7 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
             torch.cuda.reset_peak_memory_stats()
     trace = snapshot["device_traces"][device.index or 0]
     peak, alive = live_at_peak(trace)
-    graphs = sys.modules.get("fastgrpo.kernels._graphs")
-    pool = graphs.graph_pool_bytes() if graphs is not None else 0
+    pool = harness.graph_pool_bytes()
     sites = by_site(alive, depth)[:rows]
     row = dict(shape=shape, system=system, prompt=prompt, completion=completion, spread=spread, tokens=tokens,
                before_gib=round(base / 2**30, 2), peak_gib=harness.peak_gib(), trace_peak_gib=round(peak / 2**30, 2),

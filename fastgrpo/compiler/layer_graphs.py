@@ -290,7 +290,7 @@ class LayerGraphs:
             tensors, others = _flatten(call.args, call.kwargs)
         except _NotReplayable as reason:  # this call's inputs, not the layer: its other calls may still replay
             self.stats["unkeyed"] += 1
-            self._warn_once(f"decoder layers' calls with {reason} run as they are, not as CUDA graphs")
+            self._warn_once(str(reason), f"decoder layers' calls with {reason} run as they are, not as CUDA graphs")
             return None
         if not self._params_unchanged(layer):
             self.drop(layer)
@@ -344,15 +344,13 @@ class LayerGraphs:
         self.off[layer] = reason
         self.entries.pop(layer, None)
         self.accumulators.pop(layer, None)
+        self._warn_once(reason, f"decoder layer {layer}'s checkpointed calls are not replayed as CUDA graphs: {reason}")
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        """Warn `message` the first time `reason` comes up (for any layer)."""
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"fastgrpo: decoder layer {layer}'s checkpointed calls are not replayed as CUDA graphs: "
-                          f"{reason}", stacklevel=4)
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(f"fastgrpo: {message}", stacklevel=4)
+            warnings.warn(f"fastgrpo: {message}", stacklevel=5)
 
     # ---- the forward -----------------------------------------------------------------------------------------
     def replay_forward(self, entry: _Entry, call, hidden: torch.Tensor):
