@@ -217,6 +217,14 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def release_cache() -> None:
+    """Give back the cached blocks no tensor uses (compiles and earlier lengths leave them): call it before the last
+    warm-up step, so that `peak_reserved_gib()` after reset_peak() counts what a step in steady state holds."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def peak_above(fn):
     """(fn(), the device's peak allocated bytes during the call beyond those allocated before it; 0 on the CPU)."""
     if not torch.cuda.is_available():
@@ -241,6 +249,16 @@ def peak_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
     return round((torch.cuda.max_memory_allocated() + graph_pool_bytes()) / 2**30, 2)
+
+
+def peak_reserved_gib() -> float | None:
+    """The device's peak reserved GiB since reset_peak() (see release_cache()); two decimals; None on the CPU. Beyond `peak_gib()` it counts
+    blocks freed while another stream still used them (an offloaded input whose copy to the host had not finished:
+    the allocator stops counting them as allocated at the free, and reuses them once that stream passes) and the
+    caching allocator's free blocks (fragmentation)."""
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.max_memory_reserved() / 2**30, 2)
 
 
 @contextlib.contextmanager

@@ -69,17 +69,13 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
         batch = make_batch(model, completion)
         step = with_mixed_precision(make_step("fastgrpo", model, completion), batch[0].device)
         timed_steps(step, batch, model, warmup)
-        if cuda:
-            torch.cuda.empty_cache()
         harness.reset_peak()
         times = timed_steps(step, batch, model, repeat)
         median = statistics.median(times)
         result.update(ms_median=round(median, 1), ms_all=[round(t, 1) for t in times],
                       tokens_per_s=round(GROUP * (PROMPT + completion) / median * 1e3), peak_gib=harness.peak_gib())
-        if cuda:
-            # Blocks freed while a side-stream copy still reads them leave "allocated" at once but are
-            # reusable only after the copy: a lagging copy stream would show here, not in peak_gib.
-            result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        if cuda:  # a lagging copy stream shows here, not in peak_gib (harness.peak_reserved_gib)
+            result["peak_reserved_gib"] = harness.peak_reserved_gib()
         if handle is not None:
             result["host_gib"] = round(handle.stats.host_bytes / 2**30, 2)
             result["stats"] = vars(handle.stats).copy()

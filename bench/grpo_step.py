@@ -257,12 +257,14 @@ def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
     lines = []
     for label, current in (("changed", changed), ("as is", original)) * 2:
         with harness.patched((module, attr, current)):
+            harness.release_cache()
             timed_steps(step, args, model, 1)
             harness.reset_peak()
             times = timed_steps(step, args, model, repeat)
-            peak = harness.peak_gib()
+            peak, reserved = harness.peak_gib(), harness.peak_reserved_gib()
         lines.append(f"AB {target} = {current!r} ({label}): median {statistics.median(times):.1f} ms, "
-                     f"{[round(t, 1) for t in times]}" + ("" if peak is None else f", peak {peak:.2f} GiB"))
+                     f"{[round(t, 1) for t in times]}"
+                     + ("" if peak is None else f", peak {peak:.2f} GiB ({reserved:.2f} reserved)"))
     return "\n".join(lines)
 
 
@@ -310,7 +312,9 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             ids, mask, adv, tokens, lengths = make_batch(vocab, prompt, completion, spread, device)
             result.update(tokens=tokens, lengths=lengths)
             step = with_mixed_precision(make_step(system, model, mask.shape[1], prompt), device)
-            timed_steps(step, (ids, mask, adv), model, warmup)
+            timed_steps(step, (ids, mask, adv), model, max(warmup - 1, 0))
+            harness.release_cache()  # what earlier lengths and the compiles left cached: not this step's reserve
+            timed_steps(step, (ids, mask, adv), model, min(warmup, 1))
             harness.reset_peak()
             frozen = gc_freeze and system in FASTGRPO_OPTIONS
             if frozen:  # as fastgrpo's trainer does after its first step (the peers' collectors are left alone)
@@ -321,6 +325,7 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
                     host_times = []
                     times = timed_steps(step, (ids, mask, adv), model, repeat, host_times=host_times)
                 peak = harness.peak_gib()  # before any A/B block (whose graphs or buffers would count)
+                result["peak_reserved_gib"] = harness.peak_reserved_gib()
                 graphs = sys.modules.get("fastgrpo.kernels._graphs")
                 if graphs is not None and graphs.stats["captured"]:  # op bodies replayed as CUDA graphs
                     result["op_graphs"] = {**graphs.stats, "pool_mib": round(graphs.graph_pool_bytes() / 2**20),

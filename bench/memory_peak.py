@@ -36,9 +36,11 @@ def _frame_key(frames: list[dict], depth: int) -> str:
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     """Replays one device's allocator trace: (peak allocated bytes, the allocations alive at that moment).
 
-    A block counts from its `alloc` to its `free_completed` (a block freed while a stream still uses it stays
-    allocated until then, as `torch.cuda.max_memory_allocated` counts it). Blocks allocated before recording
-    started are not in the trace: the peak is relative to the memory in use when recording began."""
+    A block counts from its `alloc` to its `free_completed`: a block freed while another stream still uses it
+    (`record_stream`) counts until the allocator finds that stream past it. `torch.cuda.max_memory_allocated` stops
+    counting it at the free, so this peak can exceed that one (1.5B step at 1024: +0.79 against +0.39 GiB). Blocks
+    allocated before recording started are not in the trace: the peak is relative to the memory in use when recording
+    began."""
     live, current, peak, peak_index = {}, 0, 0, -1
     for index, event in enumerate(trace):
         if event["action"] == "alloc":

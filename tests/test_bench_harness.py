@@ -122,6 +122,17 @@ def test_cpu_timers():
     assert harness.graph_ms(lambda: time.sleep(0.001), rep=5) >= 1
 
 
+def test_peaks_since_reset_none_on_the_cpu():
+    harness.release_cache()
+    harness.reset_peak()
+    if not torch.cuda.is_available():
+        assert harness.peak_gib() is None and harness.peak_reserved_gib() is None
+        return
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    del block
+    assert harness.peak_reserved_gib() >= 64 / 1024 and harness.peak_gib() >= 64 / 1024
+
+
 def test_a_launch_configuration_sweep_times_each_and_puts_the_setting_back():
     module = SimpleNamespace(delay=0.006)
     seen = []
