@@ -84,6 +84,11 @@ run_step() {
       for shape in ${LAYER_GRAPH_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}; do
         step "layer_graphs_$shape" 150 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions 1024 --warmup 3 --repeat 5 --ab fastgrpo.compiler.layer_graphs.ENABLED=False
       done ;;
+    # The layer graphs' pool holds one layer call's temporaries, the gated-MLP backward's chunk buffers the largest of
+    # them (bench/RESULTS.md, "What is alive at that peak"): the 1024 step with smaller chunks, one process each.
+    pool_chunks) for mib in ${POOL_CHUNK_MIBS:-256 64 32}; do
+        step "pool_chunks_$mib" 110 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape ${SHAPE:-qwen2.5-1.5b} --completions 1024 --warmup 3 --repeat 5 --mlp-chunk-mib $mib
+      done ;;
     tests_on_cuda) step tests_on_cuda 200 "$OURS $ONE_GPU FASTGRPO_TEST_DEVICE=cuda FASTGRPO_FAILURE_LOG=$OUT/cuda_failures.txt" python3 -m pytest -q -p no:cacheprovider -n 3 --timeout 90 --maxfail 30 tests/test_pass_rms_norm.py tests/test_pass_rope_mlp.py tests/test_pass_selective_logprob.py ;;
     # SPREAD_PROMPT / SPREAD_COMPLETIONS: prompt length and longest completion of the spread rows (default 256 / 4096);
     # PACKED_CAP: the packed step's seconds.
