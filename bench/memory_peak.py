@@ -133,14 +133,17 @@ def measure(system: str, completion: int, prompt: int, spread: bool, rows: int, 
     peak, alive = live_at_peak(trace)
     pool = harness.graph_pool_bytes()
     sites = by_site(alive, depth)[:rows]
+    allocated_above = torch.cuda.max_memory_allocated() - base
     row = dict(shape=shape, system=system, prompt=prompt, completion=completion, spread=spread, tokens=tokens,
-               before_gib=round(base / 2**30, 2), peak_gib=harness.peak_gib(), trace_peak_gib=round(peak / 2**30, 2),
+               before_gib=round(base / 2**30, 2), peak_gib=harness.peak_gib(),
+               allocated_above_gib=round(allocated_above / 2**30, 2), trace_peak_gib=round(peak / 2**30, 2),
                graph_pool_gib=round(pool / 2**30, 3), warmup=warmup,
                blocks_alive=len(alive), sites=[dict(site=site, gib=round(size / 2**30, 3), blocks=n)
                                                for site, size, n in sites])
     print(f"MEMORY {shape} {system} prompt {prompt} completion {completion}{' spread' if spread else ''} ({tokens} "
           f"tokens): in use before the step {row['before_gib']:.2f} GiB, peak {row['peak_gib']:.2f} GiB "
-          f"(trace: +{row['trace_peak_gib']:.2f} GiB at its peak, {len(alive)} blocks alive then; the graphs' pool "
+          f"(allocated: +{row['allocated_above_gib']:.2f} GiB; trace: +{row['trace_peak_gib']:.2f} GiB at its peak, "
+          f"{len(alive)} blocks alive then, freed blocks a side stream still read included; the graphs' pool "
           f"{row['graph_pool_gib']:.3f} GiB, reserved beside it)")
     print(harness.markdown_table(("allocated by (innermost first)", "GiB", "blocks"),
                                  [(site, f"{size / 2**30:.3f}", n) for site, size, n in sites]))
