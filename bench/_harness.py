@@ -252,10 +252,10 @@ def peak_gib() -> float | None:
 
 
 def peak_reserved_gib() -> float | None:
-    """The device's peak reserved GiB since reset_peak() (see release_cache()); two decimals; None on the CPU. Beyond `peak_gib()` it counts
-    blocks freed while another stream still used them (an offloaded input whose copy to the host had not finished:
-    the allocator stops counting them as allocated at the free, and reuses them once that stream passes) and the
-    caching allocator's free blocks (fragmentation)."""
+    """The device's peak reserved GiB since reset_peak() (see release_cache()); two decimals; None on the CPU.
+    Beyond `peak_gib()` it counts blocks freed while another stream still used them (an offloaded input whose copy to
+    the host had not finished: the allocator stops counting them as allocated at the free, and reuses them once that
+    stream passes) and the caching allocator's free blocks (fragmentation)."""
     if not torch.cuda.is_available():
         return None
     return round(torch.cuda.max_memory_reserved() / 2**30, 2)

@@ -69,6 +69,7 @@ def measure(model, mode: str, completion: int, warmup: int, repeat: int, handle=
         batch = make_batch(model, completion)
         step = with_mixed_precision(make_step("fastgrpo", model, completion), batch[0].device)
         timed_steps(step, batch, model, warmup)
+        harness.release_cache()
         harness.reset_peak()
         times = timed_steps(step, batch, model, repeat)
         median = statistics.median(times)
