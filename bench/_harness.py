@@ -218,11 +218,19 @@ def reset_peak() -> None:
 
 
 def release_cache() -> None:
-    """Give back the cached blocks no tensor uses (compiles and earlier lengths leave them): call it before the last
-    warm-up step, so that `peak_reserved_gib()` after reset_peak() counts what a step in steady state holds."""
+    """Give back the cached blocks no tensor uses (compiles and earlier lengths leave them), so that
+    `peak_reserved_gib()` after a step and reset_peak() counts what a step in steady state holds (warm_up)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def warm_up(fn, count: int, **wall_ms_kwargs) -> None:
+    """`count` warm-up calls of `fn` (wall_ms's keyword arguments), the cache released before the last
+    (release_cache), so that a reserved peak measured after them holds what a call in steady state holds."""
+    wall_ms(fn, max(count - 1, 0), **wall_ms_kwargs)
+    release_cache()
+    wall_ms(fn, min(count, 1), **wall_ms_kwargs)
 
 
 def peak_above(fn):

@@ -243,6 +243,11 @@ def timed_steps(step, args, model, count: int, before_each=None, host_times: lis
                            after_each=lambda: model.zero_grad(set_to_none=True), host_ms=host_times)
 
 
+def warm_steps(step, args, model, count: int) -> None:
+    """`count` untimed steps as timed_steps runs them, the cache released before the last (harness.warm_up)."""
+    harness.warm_up(lambda: step(*args), count, after_each=lambda: model.zero_grad(set_to_none=True))
+
+
 def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
     """A/B in one process: `repeat` steps with `setting` ("module.attr=literal") applied, then `repeat` as it
     was, twice over (one settling step before each block). The host and GPU stay the same, so the difference
@@ -257,8 +262,7 @@ def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
     lines = []
     for label, current in (("changed", changed), ("as is", original)) * 2:
         with harness.patched((module, attr, current)):
-            harness.release_cache()
-            timed_steps(step, args, model, 1)
+            warm_steps(step, args, model, 1)
             harness.reset_peak()
             times = timed_steps(step, args, model, repeat)
             peak, reserved = harness.peak_gib(), harness.peak_reserved_gib()
@@ -312,9 +316,8 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             ids, mask, adv, tokens, lengths = make_batch(vocab, prompt, completion, spread, device)
             result.update(tokens=tokens, lengths=lengths)
             step = with_mixed_precision(make_step(system, model, mask.shape[1], prompt), device)
-            timed_steps(step, (ids, mask, adv), model, max(warmup - 1, 0))
-            harness.release_cache()  # what earlier lengths and the compiles left cached: not this step's reserve
-            timed_steps(step, (ids, mask, adv), model, min(warmup, 1))
+            # What earlier lengths and the compiles left cached is not this step's reserve.
+            warm_steps(step, (ids, mask, adv), model, warmup)
             harness.reset_peak()
             frozen = gc_freeze and system in FASTGRPO_OPTIONS
             if frozen:  # as fastgrpo's trainer does after its first step (the peers' collectors are left alone)

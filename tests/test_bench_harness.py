@@ -133,6 +133,13 @@ def test_peaks_since_reset_none_on_the_cpu():
     assert harness.peak_reserved_gib() >= 64 / 1024 and harness.peak_gib() >= 64 / 1024
 
 
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_warm_up_calls_as_many_times_as_asked_each_followed_by_its_after_each(count):
+    calls, after = [], []
+    harness.warm_up(lambda: calls.append(1), count, after_each=lambda: after.append(len(calls)))
+    assert len(calls) == count and after == list(range(1, count + 1))
+
+
 def test_a_launch_configuration_sweep_times_each_and_puts_the_setting_back():
     module = SimpleNamespace(delay=0.006)
     seen = []

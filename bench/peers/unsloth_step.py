@@ -152,9 +152,7 @@ def run_setting(trainer, completion: int, vocab: int, pad_id: int, warmup: int, 
         def clear():
             model.zero_grad(set_to_none=True)
 
-        harness.wall_ms(step, max(warmup - 1, 0), after_each=clear)
-        harness.release_cache()  # as grpo_step.py: the reserved peak of a step in steady state
-        harness.wall_ms(step, min(warmup, 1), after_each=clear)
+        harness.warm_up(step, warmup, after_each=clear)  # as grpo_step.py: the reserved peak of a steady step
         harness.reset_peak()
         with GcPauses() as pauses:  # Unsloth as it runs: its collector left alone
             times = harness.wall_ms(step, repeat, after_each=clear)
