@@ -534,12 +534,14 @@ def test_gated_mlp_temporaries_bounded_by_chunk(path):
 
 
 class _InPlaceAdds(TorchDispatchMode):
-    """Shapes of the tensors that in-place adds (addmm_, add_) write into, and of the operands of products (mm)."""
+    """Shapes of the tensors that in-place adds (addmm_, add_) write into, of the operands of products (mm), and
+    of the results of concatenations (cat)."""
 
     def __init__(self):
         super().__init__()
         self.shapes = []
         self.products = []
+        self.concatenated = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -550,10 +552,13 @@ class _InPlaceAdds(TorchDispatchMode):
             self.shapes.append(tuple(args[0].shape))
         if func == torch.ops.aten.mm.default:
             self.products.append((tuple(args[0].shape), tuple(args[1].shape)))
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func in (torch.ops.aten.cat.default, torch.ops.aten.cat.out):
+            self.concatenated.append(tuple(result.shape))
+        return result
 
 
-@pytest.mark.parametrize("lora", ["both", "shared_a", "up"])
+@pytest.mark.parametrize("lora", ["both", "shared_a", "up", "gate"])
 def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
     """GPU path (here the Triton interpreter's), adapters in x's dtype (as autocast runs them): g and u with
     their LoRA terms come from one GEMM over [x | s xa], and the backward's dh from one over [dy | dxa], so
@@ -573,17 +578,28 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
         x, w_gate, w_up, w_down = rand(rows, hidden, dtype=dtype), rand(inter, hidden, dtype=dtype), \
             rand(inter, hidden, dtype=dtype), rand(out_width, inter, dtype=dtype)
         ga, gb = (rand(rank, hidden, dtype=adapters), rand(inter, rank, dtype=adapters)) if lora != "up" else (None, None)
-        ua = ga if lora == "shared_a" else rand(rank, hidden, dtype=adapters)
-        ub = rand(inter, rank, dtype=adapters)
+        ua, ub = (ga, rand(inter, rank, dtype=adapters)) if lora == "shared_a" else \
+            (rand(rank, hidden, dtype=adapters), rand(inter, rank, dtype=adapters)) if lora != "gate" else (None, None)
         da, db = rand(rank, inter, dtype=adapters), rand(out_width, rank, dtype=adapters)
         factors = (ga, gb, ua, ub)
         assert _lora_gemm.joined_weight(w_gate, w_up, factors, rows) is None  # the torch path
         with path_ctx("triton"):
-            assert (_lora_gemm.joined_weight(w_gate, w_up, factors, rows) is not None) == joined
+            built = _lora_gemm.joined_weight(w_gate, w_up, factors, rows)
+            assert (built is not None) == joined
+            if joined:  # [[W_g, B_g, 0], [W_u, 0, B_u]], one B column block for a shared A, none without adapter
+                rank_g, rank_u = (rank if ga is not None else 0), (rank if ua is not None and ua is not ga else 0)
+                want = torch.zeros(2 * inter, hidden + rank_g + rank_u, dtype=dtype)
+                want[:inter, :hidden], want[inter:, :hidden] = w_gate, w_up
+                if ga is not None:
+                    want[:inter, hidden:hidden + rank] = gb
+                if ua is not None:
+                    start = hidden if ua is ga else hidden + rank_g
+                    want[inter:, start:start + rank] = ub
+                assert torch.equal(built, want)
             assert _lora_gemm.joined_weight(w_gate, w_up, factors, rows=2) is None  # a decode step
         leaves = [t for t in dict.fromkeys((x, ga, gb, ua, ub, da, db)) if t is not None]
         g = x.float() @ w_gate.float().T + (0.5 * (x.float() @ ga.float().T) @ gb.float().T if ga is not None else 0)
-        u = x.float() @ w_up.float().T + 0.5 * (x.float() @ ua.float().T) @ ub.float().T
+        u = x.float() @ w_up.float().T + (0.5 * (x.float() @ ua.float().T) @ ub.float().T if ua is not None else 0)
         h = F.silu(g) * u
         ref = h @ w_down.float().T + 2.0 * (h @ da.float().T) @ db.float().T
         ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
@@ -600,6 +616,8 @@ def test_adapters_in_the_base_dtype_join_the_projection_gemms(lora):
             skinny_on_h = ((chunk, inter), (inter, rank))
             assert (skinny_on_h not in forward.products) == joined, forward.products
             assert ((chunk, inter), (inter, out_width + rank)) in forward.products or not joined
+            # [W_down; A_down] is built once a call, not once for each of the backward's four chunks
+            assert backward.concatenated.count((out_width + rank, inter)) == joined, backward.concatenated
             for got, want in zip((y, *grads), (ref, *ref_grads)):
                 assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 

@@ -78,6 +78,7 @@ def _joins(weight, lora_a, rows, hidden):
             and rows >= JOIN_MIN_ROWS_PER_HIDDEN * hidden)
 
 
+@torch.no_grad()  # a copy the op's own backward reads: never differentiated
 def joined_weight(w_gate, w_up, factors, rows):
     """[[W_g, B_g, 0], [W_u, 0, B_u]] ([2I, H + r_g + r_u]; [[W_g, B_g], [W_u, B_u]] for one A that both
     share; a projection without adapter has no B column block), or None. With it one GEMM of x joined with
@@ -93,23 +94,24 @@ def joined_weight(w_gate, w_up, factors, rows):
         return None
     rank_g = ga.shape[0] if ga is not None else 0
     rank_u = ua.shape[0] if ua is not None and ua is not ga else 0
-    joined = w_gate.new_zeros(2 * inter, hidden + rank_g + rank_u)
-    joined[:inter, :hidden] = w_gate
-    joined[inter:, :hidden] = w_up
-    if ga is not None:
-        joined[:inter, hidden:hidden + rank_g] = gb
-    if ua is not None:  # after B_g's columns, or in them when both share one A
-        start = hidden if ua is ga else hidden + rank_g
-        joined[inter:, start:start + ua.shape[0]] = ub
+    # Each half written once by a concatenation into its rows (contiguous), zeros only in the [I, r] blocks: a
+    # zero fill of the whole [2I, H + r] buffer and copies into its column slices cost three passes over it.
+    joined = torch.empty(2 * inter, hidden + rank_g + rank_u, dtype=w_gate.dtype, device=w_gate.device)
+    if ua is ga:  # [[W_g, B_g], [W_u, B_u]]: one A, whose columns both B's fill
+        torch.cat((w_gate, gb), dim=1, out=joined[:inter])
+        torch.cat((w_up, ub), dim=1, out=joined[inter:])
+        return joined
+    gate_blocks = (w_gate, *((gb,) if ga is not None else ()), *((w_gate.new_zeros(inter, rank_u),) if rank_u else ()))
+    up_blocks = (w_up, *((w_up.new_zeros(inter, rank_g),) if rank_g else ()), *((ub,) if ua is not None else ()))
+    torch.cat(gate_blocks, dim=1, out=joined[:inter])
+    torch.cat(up_blocks, dim=1, out=joined[inter:])
     return joined
 
 
 def _joined_gate_up(x_rows, xa, scale, joined, gu_rows=None):
     """g and u with their LoRA terms from one GEMM: [x | scale * xa] @ joined^T into the [rows, 2I] buffer."""
-    hidden = x_rows.shape[1]
-    x_joined = torch.empty(x_rows.shape[0], joined.shape[1], dtype=x_rows.dtype, device=x_rows.device)
-    x_joined[:, :hidden] = x_rows
-    torch.mul(xa, scale, out=x_joined[:, hidden:])
+    # One concatenation (a copy into a column slice of the buffer strides every row: a slower, unvectorised kernel).
+    x_joined = torch.cat((x_rows, xa if scale == 1.0 else xa * scale), dim=1)
     if gu_rows is None:
         gu_rows = torch.empty(x_rows.shape[0], joined.shape[0], dtype=x_rows.dtype, device=x_rows.device)
     torch.mm(x_joined, joined.t(), out=gu_rows)
@@ -183,9 +185,9 @@ def down_forward(h_rows, w_down, down, out_rows, joined_down=None):
 def joined_down_weight(w_down, down, rows):
     """[W_down; A_down] ([H_out + r, I]) for adapters in the base's dtype and enough rows, else None (same
     conditions as joined_weight). Forward: h times it gives the base output and the LoRA input at once
-    (down_forward). Backward (built for each chunk, and gone before the chunk's recomputed g/u exist): dh of a
-    chunk comes from one GEMM of [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a
-    write of the chunk's [rows, I] dh)."""
+    (down_forward). Backward (built once a call, for all its chunks): dh of a chunk comes from one GEMM of
+    [dy | dxa] with it, instead of adding dxa @ A into dh afterwards (a read and a write of the chunk's [rows, I]
+    dh)."""
     if down is None or not _joins(w_down, down[0], rows, w_down.shape[0]):
         return None
     return torch.cat((w_down, down[0]))

@@ -254,6 +254,10 @@ def _backward(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lo
     down = _down_factors(w_down, down_lora_a, down_lora_b, down_lora_scale)
     # The joined weight serves the recompute of g and u and, for dx, the GEMM of [dg | du] (joined_input_grads).
     joined = joined_weight(w_gate, w_up, factors, x2d.shape[0]) if saved is None or need["x"] else None
+    # [W_down; A_down], once for all chunks: a weight-sized temporary beside the joined gate/up weight (half its
+    # size), where building it per chunk reads and writes it once a chunk (at a 7B shape's 3,456-row chunks as many
+    # bytes as the pass over the chunk's dh that joining it spares).
+    joined_down = joined_down_weight(w_down, down, x2d.shape[0])
     # Gradients of gate's and up's A come from one accumulator for `a` (split at the end), so
     # both LoRA x-side gradients are formed whenever either A or x needs them.
     need_da = need["gate_a"] or need["up_a"]
@@ -271,7 +275,7 @@ def _backward(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lo
     dx2d = dx.view(-1, hidden) if need["x"] else None
     for start, end in row_chunks(x2d.shape[0], inter, x.dtype, x2d.shape[1], chunk_rows):
         _backward_rows(d_out2d[start:end], x2d[start:end], None if saved is None else saved[start:end],
-                       w_gate, w_up, fused, factors, a, lora_scale, joined, activation, w_down, down, x2d.shape[0],
+                       w_gate, w_up, fused, factors, a, lora_scale, joined, activation, w_down, down, joined_down,
                        need_dxa_g, need_dxa_u, lora_back, dx2d[start:end] if need["x"] else None, acc)
     grads = []
     if need["x"]:
@@ -302,17 +306,16 @@ def _backward(d_out, x, w_gate, w_up, gate_lora_a, gate_lora_b, up_lora_a, up_lo
 
 
 def _backward_rows(d_out_rows, x_rows, saved_rows, w_gate, w_up, fused, factors, a, lora_scale, joined, activation,
-                   w_down, down, n_rows, need_dxa_g, need_dxa_u, lora_back, dx_rows, acc):
-    """One chunk of the backward (of the op's n_rows): writes dx_rows (unless None) and adds the chunk's share of each
+                   w_down, down, joined_down, need_dxa_g, need_dxa_u, lora_back, dx_rows, acc):
+    """One chunk of the backward: writes dx_rows (unless None) and adds the chunk's share of each
     needed weight and LoRA gradient to its fp32 accumulator in `acc`. A
     function of its own so that the chunk's buffers are freed before the next chunk's exist."""
     ga, _, ua, _ = factors
     inter = w_gate.shape[0]
     h = down_lora = None
     if w_down is not None:
-        # dh first, through a joined down weight of this chunk's own: it and [dy | dxa] are gone before the
-        # recomputed g and u exist (the backward's peak: g/u, dh and the joined gate/up weight).
-        dh_rows, down_lora = down_backward(d_out_rows, w_down, down, joined_down_weight(w_down, down, n_rows))
+        # dh first ([dy | dxa] is gone before the recomputed g and u exist: the chunk's peak is g/u and dh).
+        dh_rows, down_lora = down_backward(d_out_rows, w_down, down, joined_down)
         if {"w_down", "down_a", "down_b"} & set(acc):
             h = dh_rows  # written over dh (a buffer of this chunk's, read first): no fourth [rows, I]
     else:
