@@ -26,6 +26,10 @@
 set -u
 START=$(date +%s); DEADLINE=$((START + ${DEADLINE_S:-560}))
 OUT=${OUT:-/tmp/fastgrpo-device}; mkdir -p "$OUT"
+# Rows each results file holds before the run: only the rows this run appends come back (a call returns a limited
+# number of files, and the tree's whole history would crowd out its own output).
+declare -A ROWS_BEFORE
+for f in bench/results/*.jsonl; do [ -f "$f" ] && ROWS_BEFORE[$f]=$(wc -l < "$f"); done
 cap() { local left=$((DEADLINE - $(date +%s))); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Installed once per machine, so two sessions can run side by side (one per GPU: CUDA_VISIBLE_DEVICES, own OUT).
@@ -202,6 +206,11 @@ for s in $STEPS; do
     run_step "$s"
   fi
 done
-# The JSON lines every bench appended to bench/results/ in this tree come back with $OUT.
-mkdir -p "$OUT/results" && cp bench/results/*.jsonl "$OUT/results/" 2>/dev/null
+# The JSON lines the benches appended to bench/results/ in this run come back with $OUT, a file for each bench.
+mkdir -p "$OUT/results"
+for f in bench/results/*.jsonl; do
+  [ -f "$f" ] || continue
+  before=${ROWS_BEFORE[$f]:-0}
+  [ "$(wc -l < "$f")" -gt "$before" ] && tail -n +$((before + 1)) "$f" > "$OUT/results/$(basename "$f")"
+done
 [ -f bench/results/grpo_step.jsonl ] && python3 bench/grpo_step.py --merge
