@@ -74,14 +74,16 @@ run_step() {
     eager) step eager 90 "$OURS" python3 bench/grpo_step.py --systems eager --completions 1024,4096 $STEP_ARGS ;;
     # Re-run what failed last time (pytest's cache of failures does not travel: name them in FAILED_TESTS).
     tests_failed) step tests_failed ${FAILED_CAP:-240} "$OURS $ONE_GPU FASTGRPO_FAILURE_LOG=$OUT/test_failures.txt" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 200 -rfE --tb=short "${FAILED_TESTS_ARRAY[@]}" ;;
-    # The policy step on each of SHAPES (bench/_harness.py names), fastgrpo, Unsloth and inductor one process each,
-    # at COMPLETIONS (Unsloth at the same lengths); SHAPE_CAP seconds a process.
+    # The policy step on each of SHAPES (bench/_harness.py names), each of SHAPE_SYSTEMS (fastgrpo, unsloth, inductor)
+    # one process, at COMPLETIONS (Unsloth at the same lengths); SHAPE_CAP seconds a process.
     shapes)
-      for shape in ${SHAPES:-qwen2.5-0.5b gemma-2-2b qwen2.5-7b llama-3.1-8b}; do
-        step "fastgrpo_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions $COMPLETIONS $STEP_ARGS
-        step "unsloth_$shape" ${SHAPE_CAP:-120} "$PEERS" python3 bench/peers/unsloth_step.py ${COMPLETIONS//,/ } --shape $shape $STEP_ARGS
-        step "inductor_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems inductor --shape $shape --completions $COMPLETIONS $STEP_ARGS
-      done ;;
+      for shape in ${SHAPES:-qwen2.5-0.5b gemma-2-2b qwen2.5-7b llama-3.1-8b}; do for system in ${SHAPE_SYSTEMS:-fastgrpo unsloth inductor}; do
+        if [ "$system" = unsloth ]; then
+          step "unsloth_$shape" ${SHAPE_CAP:-120} "$PEERS" python3 bench/peers/unsloth_step.py ${COMPLETIONS//,/ } --shape $shape $STEP_ARGS
+        else
+          step "${system}_$shape" ${SHAPE_CAP:-120} "$OURS" python3 bench/grpo_step.py --systems $system --shape $shape --completions $COMPLETIONS $STEP_ARGS
+        fi
+      done; done ;;
     # Decoder-layer calls replayed as CUDA graphs (fastgrpo/compiler/layer_graphs.py): their GPU tests, then an
     # in-process A/B of the policy step on each of LAYER_GRAPH_SHAPES at 1024 completions.
     layer_graphs) step layer_graph_tests 180 "$OURS $ONE_GPU" python3 -m pytest -m gpu -v -p no:cacheprovider -n 6 --timeout 150 -rfE --tb=short tests/test_layer_graphs.py tests/test_offload.py
