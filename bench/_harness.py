@@ -53,6 +53,20 @@ SHAPES = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
+    # Shapes nothing was tuned on (checked, not tuned: issue 42). Qwen3-4B: q/k RMSNorm, 36 layers, tied head.
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=40960,
+    ),
+    # Phi-3-mini-4k: q/k/v and gate/up each one fused projection, head dim 96, no GQA, 32k vocabulary, sliding window
+    # 2047 on every layer.
+    "phi-3-mini": dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=4096, original_max_position_embeddings=4096, sliding_window=2047,
+        pad_token_id=32000, bos_token_id=1, eos_token_id=32000,
+    ),
     # Soft-capped attention logits and final logits, sliding-window attention on every other layer. transformers'
     # SDPA path leaves the attention softcap out, so every system runs the eager attention that applies it (what
     # transformers asks of Gemma-2 training).
@@ -105,6 +119,9 @@ def shape_config(name: str, max_len: int | None = None, tiny: bool = False):
     if tiny:
         values.update(TINY)
         values.update({key: value for key, value in TINY_WHERE_SET.items() if key in values})
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # special tokens inside the tiny vocabulary
+            if values.get(key) is not None and values[key] >= TINY["vocab_size"]:
+                values[key] = TINY["vocab_size"] - 1
         if "layer_types" in values:  # one layer of each kind
             values["layer_types"] = (list(dict.fromkeys(values["layer_types"])) * 2)[: TINY["num_hidden_layers"]]
     if max_len is not None:

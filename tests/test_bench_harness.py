@@ -19,6 +19,8 @@ PUBLISHED = {
     "qwen2.5-7b": ("qwen2", 28, 28, 4, 128, 3584, 7_615_616_512),
     "llama-3.1-8b": ("llama", 32, 32, 8, 128, 4096, 8_030_261_248),
     "gemma-2-2b": ("gemma2", 26, 8, 4, 256, 2304, 2_614_341_888),
+    "qwen3-4b": ("qwen3", 36, 32, 8, 128, 2560, 4_022_468_096),
+    "phi-3-mini": ("phi3", 32, 32, 32, 96, 3072, 3_821_079_552),
     "qwen3-30b-a3b": ("qwen3_moe", 48, 32, 4, 128, 2048, 30_532_122_624),
 }
 
@@ -184,7 +186,7 @@ def test_the_step_refuses_unknown_systems_and_shapes():
         grpo_step.main(["--shape", "llama-8b", "--tiny"])
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "gemma-2-2b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gemma-2-2b", "phi-3-mini"])
 def test_the_unsloth_peer_writes_the_shapes_checkpoint(tmp_path, name):
     """Unsloth itself needs CUDA; the checkpoint it loads and the batch it is given are built here."""
     import transformers
@@ -222,7 +224,7 @@ CUDA_STEP_SYSTEMS = ("eager", "inductor", "fastgrpo", "fastgrpo_save", "fastgrpo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("system", CUDA_STEP_SYSTEMS)
-@pytest.mark.parametrize("shape", ["gemma-2-2b", "llama-3.1-8b"])
+@pytest.mark.parametrize("shape", ["gemma-2-2b", "llama-3.1-8b", "phi-3-mini"])
 def test_the_step_runs_each_system_on_cuda(shape, system, capsys):
     """The --tiny step of every fastgrpo form and the baselines on CUDA (offloaded checkpointing, packed rows), one
     system a test: each compiles its own graphs, so apart they spread over pytest-xdist's workers."""
