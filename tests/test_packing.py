@@ -451,7 +451,7 @@ def _replaying(share=False) -> Packer:
     return packer
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])  # gemma3: sliding windows that cut the rows
 @pytest.mark.parametrize("share", [False, True])
 def test_a_call_whose_layers_replay_takes_a_bucket_s_shapes_and_gives_the_same_values(arch, share):
     # The layer graphs key a call by its inputs' shapes and ints: the packed call takes a length bucket's tokens
@@ -505,11 +505,10 @@ def test_batches_of_one_bucket_give_their_calls_one_key():
     assert calls[0] == calls[1]
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_layers_that_need_the_mask_get_it_and_no_bucket(arch):
-    # Soft-capped logits (gemma2) or sliding windows (gemma3, whose tiny window cuts the rows): some layer takes the
-    # mask, so the call carries it and keeps its own length (a mask's closure would not follow a graph's replay).
-    model = tiny_model(arch, lora=True, **ARCHS[arch])
+def test_layers_that_need_the_mask_get_it_and_no_bucket():
+    # Soft-capped logits (gemma2): its layers take the mask, so the call carries it and keeps its own length (a mask's
+    # closure would not follow a graph's replay).
+    model = tiny_model("gemma2", lora=True, **ARCHS["gemma2"])
     ids, mask, labels = padded_batch(model.config.vocab_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -517,6 +516,38 @@ def test_layers_that_need_the_mask_get_it_and_no_bucket(arch):
                                     PROMPT_COLUMNS)
     assert not call.kwargs.get("fastgrpo_mask_free")
     assert call.plan.length == plan_packing(ids, mask, labels, PROMPT_COLUMNS)[0].length
+
+
+def test_sliding_windows_are_mask_free_where_flash_takes_a_window(monkeypatch):
+    # Sliding-window layers take their window from each call (flash's window on CUDA, SDPA's mask a segment at a
+    # time on CPU), so a windowed model's packed calls need no mask, unless this torch's flash kernel takes no window.
+    model = tiny_model("gemma3", lora=True, **ARCHS["gemma3"])
+    decoder, cuda = model.get_base_model().base_model, torch.device("cuda")
+    assert packing.segments_everywhere(model.config, decoder, torch.bfloat16, torch.device("cpu"), True)
+    monkeypatch.setattr(packing, "FLASH_TAKES_WINDOW", True)
+    assert packing.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
+    monkeypatch.setattr(packing, "FLASH_TAKES_WINDOW", False)
+    assert not packing.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
+    llama = tiny_model("llama", lora=True)
+    assert packing.segments_everywhere(llama.config, llama.get_base_model().base_model, torch.bfloat16, cuda, True)
+
+
+@pytest.mark.parametrize("window, packs", [(4, True), (8, True), (9, False), (None, False)])
+def test_a_sliding_window_that_cuts_the_rows_packs_whatever_padding_it_drops(window, packs):
+    # Under min_saved, a batch runs packed all the same where its rows (16 columns) span at least WINDOW_PACK_ROWS
+    # (2) windows: padded, its sliding layers would attend every key of a row through the mask. The values stay
+    # the padded batch's either way.
+    model = tiny_model("gemma3", lora=True, sliding_window=window) if window else tiny_model("llama", lora=True)
+    head = head_on(model)
+    batch = padded_batch(model.config.vocab_size)
+    assert batch[0].size(1) == 16
+    padded = run(model, head, None, batch)
+    packer = Packer(min_saved=0.99)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert_same(padded, run(model, head, packer, batch))
+    assert (packer.last_plan is not None) == packs
+    assert any("run padded" in str(w.message) for w in said) == (not packs)
 
 
 def test_a_mask_free_call_that_reaches_a_layer_without_segments_fails_loudly(monkeypatch):

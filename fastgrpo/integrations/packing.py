@@ -55,6 +55,12 @@ FLEX_BLOCK_SIZE = 128
 # kernel instead of flex_attention the spread batch packed took 416 against 517 ms. cuDNN's attention on a padded
 # batch is 1.75x flash's at these shapes, so a batch with little padding stays padded.
 PACK_MIN_SAVED = 0.15
+# A padded batch's sliding-window layers attend through a dense mask, each query against every key of its row, where
+# packed segments take only the window's band (flash's window). So a batch whose rows are at least this many windows
+# long packs whatever padding it drops. `python bench/grpo_step.py --systems fastgrpo,fastgrpo_packed --shape
+# phi-3-mini --completions 4096` (H100; rows of 4352 tokens, window 2047, all 32 layers sliding): packed 1692 ms
+# against padded 2225 ms, with nothing to drop.
+WINDOW_PACK_ROWS = 2
 # Above this many packed tokens the dense-mask mechanism (CPU) refuses: a [T, T] mask would be too big.
 DENSE_MASK_MAX_TOKENS = 8192
 
@@ -374,6 +380,14 @@ def unsupported_reason(config, decoder: torch.nn.Module, plan: PackPlan | None =
     return None
 
 
+def window_cuts_rows(config, row_length: int) -> bool:
+    """Whether the model has sliding-window layers whose window rows of `row_length` tokens span WINDOW_PACK_ROWS
+    times or more."""
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    return (window is not None and "sliding_attention" in layer_kinds(config)
+            and row_length >= WINDOW_PACK_ROWS * window)
+
+
 def _window_matters(text_config, plan: PackPlan) -> bool:
     window = getattr(text_config, "sliding_window", None)
     return window is not None and int(plan.positions.max()) + 1 > window
@@ -514,12 +528,14 @@ def _layer_takes_varlen(module, query, key, window, kwargs) -> bool:
 def segments_everywhere(config, decoder: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                         training: bool) -> bool:
     """Whether every attention layer takes packed rows as variable-length segments, as `_layer_takes_varlen` will
-    find in each call: `varlen_refusal` has no reason, no layer has a sliding window, and no attention module is
-    bidirectional or has attention sinks. Then a packed call needs no mask."""
+    find in each call: `varlen_refusal` has no reason, sliding-window layers have a kernel that takes their window
+    (flash's, where this torch's takes one; every CPU path), and no attention module is bidirectional or has
+    attention sinks. Then a packed call needs no mask."""
     if varlen_refusal(config, dtype, device, training) is not None:
         return False
     text = config.get_text_config()
-    if "sliding_attention" in layer_kinds(config) and getattr(text, "sliding_window", None) is not None:
+    if (device.type == "cuda" and not FLASH_TAKES_WINDOW and "sliding_attention" in layer_kinds(config)
+            and getattr(text, "sliding_window", None) is not None):
         return False
     return not any(getattr(m, "is_causal", True) is False or isinstance(getattr(m, "sinks", None), torch.Tensor)
                    for m in decoder.modules())
@@ -597,7 +613,8 @@ class Packer:
     `min_saved`: a batch whose packing would drop less than this fraction of its padded tokens (padding,
     and repeated prompts when sharing) runs padded: packed attention (flex_attention, flash's variable-length
     kernel) is slower per token than the padded batch's cuDNN attention, so packing pays only past some padding
-    (PACK_MIN_SAVED).
+    (PACK_MIN_SAVED). Except where a sliding window cuts the rows (`window_cuts_rows`): the padded batch's
+    attention then computes every key of a row through its mask, the packed one the window's band.
     """
 
     def __init__(self, share_prompt: bool = False, attention: str = "auto", min_saved: float = 0.0):
@@ -641,7 +658,7 @@ class Packer:
         if self.share_prompt and no_sharing:
             self.say_once(f"prompts not shared in a batch ({no_sharing}); its rows are packed one by one")
         saved = 1.0 - plan.length / input_ids.numel()
-        if saved < self.min_saved:
+        if saved < self.min_saved and not window_cuts_rows(model.config, input_ids.size(1)):
             self.say_once(f"batches that packing would shorten by less than {self.min_saved:.0%} run padded "
                           f"(this one: {saved:.0%}), where the fused attention is faster")
             return None
