@@ -667,10 +667,10 @@ def test_gpu_flex_packed_and_shared_match_padded(arch):
 
 
 @pytest.mark.parametrize("arch, device", [("llama", "cpu")] + [
-    pytest.param(arch, "cuda", marks=pytest.mark.gpu) for arch in ("llama", "qwen3", "phi3")])
+    pytest.param(arch, "cuda", marks=pytest.mark.gpu) for arch in ("llama", "qwen3", "phi3", "gemma3")])
 def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
     # Under bf16 autocast, as the trainer runs on CUDA, packed rows (and shared prompts) run variable-length attention
-    # in every layer (flash's kernel on CUDA), in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for
+    # in every layer (flash's kernel on CUDA, with gemma3's sliding window: no mask at all), in bf16 (HF's RoPE hands attention fp32 q and k; autocast's dtype applies, as for
     # SDPA), through the compiled decoder with checkpointing. Against fp32 padded results its log-probs and LoRA
     # gradients are as close as the padded batch's under the same autocast (bf16 rounding only; rows attending across
     # segments would be off by O(1)).
