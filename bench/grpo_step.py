@@ -1,11 +1,11 @@
 """One GRPO policy-loss step (forward + backward) of a named dense model shape.
 
 `--shape` (bench/_harness.py's SHAPES: qwen2.5-0.5b, qwen2.5-1.5b (default), qwen2.5-7b, llama-3.1-8b, gemma-2-2b;
-qwen3-4b and phi-3-mini, never tuned on), random bf16 weights, LoRA r=16 on q,k,v,o,gate,up,down, non-reentrant gradient checkpointing, G=8 completions of a
-256-token prompt, TRL's per-sequence-mean GRPO loss with beta=0, every system under bf16 autocast as TRL's
-`bf16=True` runs it (PEFT keeps the adapters in fp32; autocast runs their matmuls in bf16). Log-probs are those of
-the model's own logits (soft-capped where the shape's config says so). Systems (each in this process, one after
-another):
+qwen3-4b and phi-3-mini, never tuned on), random bf16 weights, LoRA r=16 on q,k,v,o,gate,up,down, non-reentrant
+gradient checkpointing, G=8 completions of a 256-token prompt, TRL's per-sequence-mean GRPO loss with beta=0, every
+system under bf16 autocast as TRL's `bf16=True` runs it (PEFT keeps the adapters in fp32; autocast runs their matmuls
+in bf16). Log-probs are those of the model's own logits (soft-capped where the shape's config says so). Systems
+(each in this process, one after another):
   eager     TRL's way: full logits, per-row bf16 log_softmax + gather
   inductor  the same, decoder layers compiled by inductor (one region per layer)
   liger     Liger's rope/rms_norm/swiglu (geglu) + LigerFusedLinearGRPOLoss on hidden states
