@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastgrpo
-from fastgrpo.integrations import packing
+from fastgrpo.integrations import packed_dispatch, packing
 from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
 from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, graph_segments, pad_plan, plan_packing
 from fastgrpo.kernels._dispatch import next_power_of_2
@@ -273,7 +273,7 @@ def test_layers_take_variable_length_attention_where_they_can(monkeypatch, arch,
         calls.append((cu_seqlens.tolist(), max_len, cu_seqlens_k.tolist(), max_len_k, key.shape[0]))
         return packed_attention(query, key, value, cu_seqlens, max_len, scale, window, cu_seqlens_k, max_len_k)
 
-    monkeypatch.setattr(packing, "packed_attention", counting)
+    monkeypatch.setattr(packed_dispatch, "packed_attention", counting)
     model = tiny_model(arch, lora=True, **ARCHS[arch])
     head = head_on(model)
     batch = padded_batch(model.config.vocab_size)
@@ -397,7 +397,7 @@ def test_attention_follows_the_mask_not_a_setting_around_the_call(own):
         dense = Packer(attention="dense").prepare(base, {"input_ids": ids, "attention_mask": mask}, labels,
                                                   PROMPT_COLUMNS)
         dense_hidden = base.model(**dense.kwargs).last_hidden_state
-    assert base.config._attn_implementation == packing.PACKED_ATTENTION_PREFIX + own
+    assert base.config._attn_implementation == packed_dispatch.PACKED_ATTENTION_PREFIX + own
     assert torch.equal(rerun, first)
     assert torch.equal(padded_after, padded)
     torch.testing.assert_close(first, dense_hidden, rtol=1e-5, atol=1e-5)
@@ -523,13 +523,13 @@ def test_sliding_windows_are_mask_free_where_flash_takes_a_window(monkeypatch):
     # time on CPU), so a windowed model's packed calls need no mask, unless this torch's flash kernel takes no window.
     model = tiny_model("gemma3", lora=True, **ARCHS["gemma3"])
     decoder, cuda = model.get_base_model().base_model, torch.device("cuda")
-    assert packing.segments_everywhere(model.config, decoder, torch.bfloat16, torch.device("cpu"), True)
-    monkeypatch.setattr(packing, "FLASH_TAKES_WINDOW", True)
-    assert packing.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
-    monkeypatch.setattr(packing, "FLASH_TAKES_WINDOW", False)
-    assert not packing.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
+    assert packed_dispatch.segments_everywhere(model.config, decoder, torch.bfloat16, torch.device("cpu"), True)
+    monkeypatch.setattr(packed_dispatch, "FLASH_TAKES_WINDOW", True)
+    assert packed_dispatch.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
+    monkeypatch.setattr(packed_dispatch, "FLASH_TAKES_WINDOW", False)
+    assert not packed_dispatch.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
     llama = tiny_model("llama", lora=True)
-    assert packing.segments_everywhere(llama.config, llama.get_base_model().base_model, torch.bfloat16, cuda, True)
+    assert packed_dispatch.segments_everywhere(llama.config, llama.get_base_model().base_model, torch.bfloat16, cuda, True)
 
 
 @pytest.mark.parametrize("window, packs", [(4, True), (8, True), (9, False), (None, False)])
@@ -555,7 +555,7 @@ def test_a_mask_free_call_that_reaches_a_layer_without_segments_fails_loudly(mon
     # with the setting that avoids it, rather than attending across rows.
     model = tiny_model("llama", lora=True)
     head = head_on(model)
-    monkeypatch.setattr(packing, "_layer_takes_varlen", lambda *args: False)
+    monkeypatch.setattr(packed_dispatch, "_layer_takes_varlen", lambda *args: False)
     with pytest.raises(RuntimeError, match="fastgrpo_packing=False"):
         run(model, head, Packer(), padded_batch(model.config.vocab_size), grad=False)
 
@@ -681,7 +681,7 @@ def test_bf16_segments_match_padded_attention(monkeypatch, arch, device):
         segment_dtypes.append(compute_dtype(args[0]))
         return packed_attention(*args)
 
-    monkeypatch.setattr(packing, "packed_attention", counting)
+    monkeypatch.setattr(packed_dispatch, "packed_attention", counting)
     torch.manual_seed(0)
     model = tiny_model(arch, lora=True, **ARCHS[arch]).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
