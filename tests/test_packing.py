@@ -21,6 +21,7 @@ from fastgrpo.kernels._dispatch import next_power_of_2
 from fastgrpo.integrations.trl import CompiledBackbone, LogprobHead
 from fastgrpo.kernels.packed_attention import compute_dtype, packed_attention
 from torch.nn.attention.flex_attention import BlockMask
+from fastgrpo.compiler.tiny import tiny_config
 from tests.tiny_models import tiny_model, trainer_rule
 
 PROMPT_COLUMNS, COMPLETION_COLUMNS = 7, 9
@@ -530,6 +531,19 @@ def test_sliding_windows_are_mask_free_where_flash_takes_a_window(monkeypatch):
     assert not packed_dispatch.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
     llama = tiny_model("llama", lora=True)
     assert packed_dispatch.segments_everywhere(llama.config, llama.get_base_model().base_model, torch.bfloat16, cuda, True)
+
+
+@pytest.mark.parametrize("arch, overrides, cuts", [
+    ("qwen2", dict(sliding_window=4, use_sliding_window=False), False),  # a window in the config, no sliding layer
+    ("qwen2", dict(sliding_window=4, use_sliding_window=True, max_window_layers=0), True),
+    ("mistral", dict(sliding_window=4), True), ("mistral", dict(sliding_window=None), False),
+    ("gemma2", dict(sliding_window=4), True),  # sliding and full layers
+    ("phi3", dict(sliding_window=4), True),
+])
+def test_window_cuts_rows_reads_the_sliding_layers(arch, overrides, cuts):
+    config = tiny_config(arch, **overrides)
+    assert packing.window_cuts_rows(config, 2 * 4) == cuts
+    assert not packing.window_cuts_rows(config, 2 * 4 - 1)
 
 
 @pytest.mark.parametrize("window, packs", [(4, True), (8, True), (9, False), (None, False)])
