@@ -319,6 +319,8 @@ def run(system: str, completions: list[int], warmup: int, repeat: int, tiny: boo
             # What earlier lengths and the compiles left cached is not this step's reserve.
             warm_steps(step, (ids, mask, adv), model, warmup)
             harness.reset_peak()
+            if device.type == "cuda":  # what the step starts from: weights, caches, anything an earlier system left
+                result["in_use_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             frozen = gc_freeze and system in FASTGRPO_OPTIONS
             if frozen:  # as fastgrpo's trainer does after its first step (the peers' collectors are left alone)
                 gc.collect()
