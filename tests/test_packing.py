@@ -9,6 +9,7 @@ and, with gradients, by the `gpu` tests, as is flash's variable-length kernel.
 import contextlib
 import re
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ ARCHS = {
     "gemma2": dict(sliding_window=4),  # softcaps, sliding + full layers (a {kind: mask} mapping), window < rows
     "gemma3": dict(sliding_window=4),  # q/k norms, both tiny layers sliding (one sliding mask)
     "phi3": dict(partial_rotary_factor=0.5),  # fused qkv / gate_up, partial rotary
+    "doge": dict(sliding_window=4),  # the window only in the mask its decoder builds: its attention call names none
 }
 
 
@@ -452,7 +454,7 @@ def _replaying(share=False) -> Packer:
     return packer
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])  # gemma3: sliding windows that cut the rows
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3", "doge"])  # gemma3, doge: sliding windows cut the rows
 @pytest.mark.parametrize("share", [False, True])
 def test_a_call_whose_layers_replay_takes_a_bucket_s_shapes_and_gives_the_same_values(arch, share):
     # The layer graphs key a call by its inputs' shapes and ints: the packed call takes a length bucket's tokens
@@ -530,7 +532,26 @@ def test_sliding_windows_are_mask_free_where_flash_takes_a_window(monkeypatch):
     monkeypatch.setattr(packed_dispatch, "FLASH_TAKES_WINDOW", False)
     assert not packed_dispatch.segments_everywhere(model.config, decoder, torch.bfloat16, cuda, True)
     llama = tiny_model("llama", lora=True)
-    assert packed_dispatch.segments_everywhere(llama.config, llama.get_base_model().base_model, torch.bfloat16, cuda, True)
+    llama_decoder = llama.get_base_model().base_model
+    assert packed_dispatch.segments_everywhere(llama.config, llama_decoder, torch.bfloat16, cuda, True)
+
+
+def test_a_layer_s_window_comes_from_its_call_or_else_from_the_config():
+    # Most models pass `sliding_window` to the attention function; some (PhiMoE, Doge) put the window into the mask
+    # alone, which segments do not read: the config's layer kinds give it then. A layer that cannot be placed in a
+    # model of both kinds takes the mask.
+    doge, gemma2 = tiny_config("doge", sliding_window=4), tiny_config("gemma2", sliding_window=4)
+    layer = lambda config, index: SimpleNamespace(config=config, layer_idx=index)  # noqa: E731
+    assert packed_dispatch._layer_window(layer(doge, 1), {"sliding_window": None}) is None  # the call decides
+    assert packed_dispatch._layer_window(layer(doge, 1), {}) == 4
+    assert packed_dispatch._layer_window(layer(tiny_config("llama"), 0), {}) is None
+    assert [packed_dispatch._layer_window(layer(gemma2, i), {}) for i in (0, 1)] == [4, None]
+    unplaced = layer(gemma2, None)
+    assert packed_dispatch._layer_window(unplaced, {}) == packed_dispatch.UNKNOWN_WINDOW
+    window = packed_dispatch._window_of_call(unplaced, 8, {})
+    query = torch.zeros(8, 2, 16)
+    assert not packed_dispatch._layer_takes_varlen(unplaced, query, query, window, {})
+    assert packed_dispatch._window_of_call(layer(doge, 0), 4, {}) is None  # segments no longer than the window
 
 
 @pytest.mark.parametrize("arch, overrides, cuts", [

@@ -51,11 +51,32 @@ def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: b
     return None
 
 
-def _window_of_call(longest, kwargs) -> int | None:
+# A layer whose sliding window neither its call nor the config tells (`_layer_window`): it takes the mask.
+UNKNOWN_WINDOW = -1
+
+
+def _layer_window(module, kwargs) -> int | None:
+    """The sliding window this attention call applies: the call's `sliding_window` argument where the model passes
+    one (most do); otherwise the window the model's own mask gives this layer, read from the config as transformers'
+    mask functions read it (PhiMoE and Doge put the window into the mask only). UNKNOWN_WINDOW where the model has
+    sliding and full layers and the module names no layer index."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    config = getattr(module, "config", None)
+    window = getattr(config.get_text_config(), "sliding_window", None) if hasattr(config, "get_text_config") else None
+    if window is None:
+        return None
+    kinds, index = layer_kinds(config), getattr(module, "layer_idx", None)
+    if index is None or not 0 <= index < len(kinds):  # one kind for every layer, or no telling which this is
+        return UNKNOWN_WINDOW if "full_attention" in kinds else window
+    return window if kinds[index] == "sliding_attention" else None
+
+
+def _window_of_call(module, longest, kwargs) -> int | None:
     """The call's sliding window where it cuts into the longest key segment (None: no window, or one that spans
-    every segment)."""
-    window = kwargs.get("sliding_window")
-    return window if window is not None and longest > window else None
+    every segment; UNKNOWN_WINDOW passes through)."""
+    window = _layer_window(module, kwargs)
+    return window if window is not None and (window == UNKNOWN_WINDOW or longest > window) else None
 
 
 def _layer_takes_varlen(module, query, key, window, kwargs) -> bool:
@@ -63,6 +84,7 @@ def _layer_takes_varlen(module, query, key, window, kwargs) -> bool:
     otherwise it takes the mask. Mirrors varlen_refusal per layer, plus what only the call shows (its window, sinks)."""
     causal = kwargs.get("is_causal")
     return ((getattr(module, "is_causal", True) if causal is None else causal) and not kwargs.get("dropout")
+            and window != UNKNOWN_WINDOW
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and (not query.is_cuda or flash_refusal(query.device, compute_dtype(query), query.shape[-1], query.shape[1],
                                                     key.shape[1], window) is None))
@@ -108,7 +130,7 @@ def use_mask_dispatched_attention(config) -> None:
         def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
             varlen = {kwarg: kwargs.pop(kwarg, None) for kwarg in VARLEN_KWARGS}
             bounds = varlen["cu_seq_lens_q"]
-            window = None if bounds is None else _window_of_call(varlen["max_length_k"], kwargs)
+            window = None if bounds is None else _window_of_call(module, varlen["max_length_k"], kwargs)
             takes_segments = bounds is not None and _layer_takes_varlen(module, query, key, window, kwargs)
             if varlen["fastgrpo_mask_free"] and not takes_segments:
                 raise RuntimeError(
