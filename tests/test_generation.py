@@ -502,10 +502,11 @@ def _strict():
     return context
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3", "doge", "phimoe"])
 def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
-    """Windows shorter than the prompt + completion, Gemma-2's softcap, gpt-oss's sinks, alternating layer kinds: the
-    compiled step equals model.generate, one graph per layer kind, none after the first decode step."""
+    """Windows shorter than the prompt + completion, Gemma-2's softcap, gpt-oss's sinks, alternating layer kinds, a
+    window that only the model's mask carries (Doge, PhiMoE: the attention call names none): the compiled step equals
+    model.generate, one graph per layer kind, none after the first decode step."""
     from fastgrpo.compiler.tiny import tiny_model
 
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastgrpo
-from fastgrpo.integrations import packed_dispatch, packing
+from fastgrpo.integrations import packed_dispatch, packing, windows
 from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
 from fastgrpo.integrations.packing import Packer, block_mask, dense_mask, graph_segments, pad_plan, plan_packing
 from fastgrpo.kernels._dispatch import next_power_of_2
@@ -542,12 +542,12 @@ def test_a_layer_s_window_comes_from_its_call_or_else_from_the_config():
     # model of both kinds takes the mask.
     doge, gemma2 = tiny_config("doge", sliding_window=4), tiny_config("gemma2", sliding_window=4)
     layer = lambda config, index: SimpleNamespace(config=config, layer_idx=index)  # noqa: E731
-    assert packed_dispatch._layer_window(layer(doge, 1), {"sliding_window": None}) is None  # the call decides
-    assert packed_dispatch._layer_window(layer(doge, 1), {}) == 4
-    assert packed_dispatch._layer_window(layer(tiny_config("llama"), 0), {}) is None
-    assert [packed_dispatch._layer_window(layer(gemma2, i), {}) for i in (0, 1)] == [4, None]
+    assert windows.layer_window(layer(doge, 1), {"sliding_window": None}) is None  # the call decides
+    assert windows.layer_window(layer(doge, 1), {}) == 4
+    assert windows.layer_window(layer(tiny_config("llama"), 0), {}) is None
+    assert [windows.layer_window(layer(gemma2, i), {}) for i in (0, 1)] == [4, None]
     unplaced = layer(gemma2, None)
-    assert packed_dispatch._layer_window(unplaced, {}) == packed_dispatch.UNKNOWN_WINDOW
+    assert windows.layer_window(unplaced, {}) == windows.UNKNOWN_WINDOW
     window = packed_dispatch._window_of_call(unplaced, 8, {})
     query = torch.zeros(8, 2, 16)
     assert not packed_dispatch._layer_takes_varlen(unplaced, query, query, window, {})

@@ -14,17 +14,8 @@ import inspect
 
 import torch
 
+from fastgrpo.integrations.windows import UNKNOWN_WINDOW, layer_kinds, layer_window
 from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, compute_dtype, flash_refusal, packed_attention
-
-
-def layer_kinds(config) -> list[str]:
-    """Attention kind of every decoder layer, read from the text config."""
-    text = config.get_text_config()
-    kinds = getattr(text, "layer_types", None)
-    if kinds is None:
-        sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-        kinds = ["sliding_attention" if sliding else "full_attention"] * text.num_hidden_layers
-    return list(kinds)
 
 
 PACKED_ATTENTION_PREFIX = "fastgrpo_packed+"
@@ -51,31 +42,10 @@ def varlen_refusal(config, dtype: torch.dtype, device: torch.device, training: b
     return None
 
 
-# A layer whose sliding window neither its call nor the config tells (`_layer_window`): it takes the mask.
-UNKNOWN_WINDOW = -1
-
-
-def _layer_window(module, kwargs) -> int | None:
-    """The sliding window this attention call applies: the call's `sliding_window` argument where the model passes
-    one (most do); otherwise the window the model's own mask gives this layer, read from the config as transformers'
-    mask functions read it (PhiMoE and Doge put the window into the mask only). UNKNOWN_WINDOW where the model has
-    sliding and full layers and the module names no layer index."""
-    if "sliding_window" in kwargs:
-        return kwargs["sliding_window"]
-    config = getattr(module, "config", None)
-    window = getattr(config.get_text_config(), "sliding_window", None) if hasattr(config, "get_text_config") else None
-    if window is None:
-        return None
-    kinds, index = layer_kinds(config), getattr(module, "layer_idx", None)
-    if index is None or not 0 <= index < len(kinds):  # one kind for every layer, or no telling which this is
-        return UNKNOWN_WINDOW if "full_attention" in kinds else window
-    return window if kinds[index] == "sliding_attention" else None
-
-
 def _window_of_call(module, longest, kwargs) -> int | None:
     """The call's sliding window where it cuts into the longest key segment (None: no window, or one that spans
     every segment; UNKNOWN_WINDOW passes through)."""
-    window = _layer_window(module, kwargs)
+    window = layer_window(module, kwargs)
     return window if window is not None and (window == UNKNOWN_WINDOW or longest > window) else None
 
 

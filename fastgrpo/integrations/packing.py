@@ -43,8 +43,9 @@ import torch
 
 from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
 from fastgrpo.kernels._dispatch import next_power_of_2
-from fastgrpo.integrations.packed_dispatch import (PACKED_ATTENTION_PREFIX, layer_kinds, segments_everywhere,
+from fastgrpo.integrations.packed_dispatch import (PACKED_ATTENTION_PREFIX, segments_everywhere,
                                                    use_mask_dispatched_attention, varlen_refusal)
+from fastgrpo.integrations.windows import layer_kinds
 from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW
 
 # Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,

@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
+from fastgrpo.integrations.windows import UNKNOWN_WINDOW, layer_window
 from fastgrpo.kernels.decode_attention import decode_attention
 
 ATTN_IMPLEMENTATION = "fastgrpo_rollout"
@@ -123,10 +124,20 @@ def _window(sliding_window) -> int | None:
     return int(sliding_window) if sliding_window else None
 
 
-def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+_NOT_GIVEN = object()  # a call that names no sliding window (None names "no window")
+
+
+def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=_NOT_GIVEN,
                       softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query [b, Hq, q, D], key/value [b, Hkv, q, D] (this call's tokens);
-    returns ([b, q, Hq, D], None)."""
+    returns ([b, q, Hq, D], None). A call that names no `sliding_window` gets the one the model's mask would apply
+    (`windows.layer_window`: the engine builds no mask)."""
+    if sliding_window is _NOT_GIVEN:
+        sliding_window = layer_window(module, {})
+        if sliding_window == UNKNOWN_WINDOW:
+            raise NotRolloutAttention(
+                f"{type(module).__name__} names neither its sliding window nor its layer index, in a model of sliding "
+                "and full layers: its window is only in the mask, which the rollout engine does not build")
     state = _CONTEXT[0]
     if state is None:
         raise NotRolloutAttention(
