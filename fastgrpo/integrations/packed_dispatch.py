@@ -105,8 +105,8 @@ def use_mask_dispatched_attention(config) -> None:
             if varlen["fastgrpo_mask_free"] and not takes_segments:
                 raise RuntimeError(
                     f"fastgrpo: a packed call without a mask reached an attention layer ({type(module).__name__}) "
-                    "that cannot run its rows as variable-length segments; packing.segments_everywhere missed what "
-                    "this layer's call shows. Set fastgrpo_packing=False to run such batches padded")
+                    "that cannot run its rows as variable-length segments; packed_dispatch.segments_everywhere missed "
+                    "what this layer's call shows. Set fastgrpo_packing=False to run such batches padded")
             if takes_segments:
                 # [1, heads, T, D] -> [T, heads, D] and back as [1, T, heads, D], the layout attention functions return.
                 q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
