@@ -531,6 +531,23 @@ def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
         context.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("chunk, engine", [(32, True), (8, False), (14, False)])
+def test_chunked_attention_decodes_only_within_one_chunk(chunk, engine):
+    """Llama-4's chunked attention is in its mask alone, which the engine does not build: rows that stay within one
+    chunk decode on the engine (the chunks change nothing there), longer ones go to model.generate with the reason."""
+    from fastgrpo.compiler.tiny import tiny_model
+
+    model = tiny_model("llama4_text", vocab_size=VOCAB, initializer_range=0.5, attention_chunk_size=chunk).eval()
+    expected = hf_greedy(model, prompts(), 6, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=6, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert generator.generate(prompts(), temperature=0) == expected
+    notes = [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
+    assert (generator.fallback != "generate") == engine
+    assert notes == ([] if engine else notes[:1]) and (engine or "attention_chunk_size" in notes[0])
+
+
 def test_repetition_penalty_matches_model_generate():
     model = tiny_lm("llama")
     batch = prompts()
