@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from fastgrpo.integrations.windows import UNKNOWN_WINDOW, layer_kinds, layer_window
+from fastgrpo.integrations.windows import UNKNOWN_WINDOW, layer_window, model_window
 from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW, compute_dtype, flash_refusal, packed_attention
 
 
@@ -68,9 +68,7 @@ def segments_everywhere(config, decoder: torch.nn.Module, dtype: torch.dtype, de
     attention sinks. Then a packed call needs no mask."""
     if varlen_refusal(config, dtype, device, training) is not None:
         return False
-    text = config.get_text_config()
-    if (device.type == "cuda" and not FLASH_TAKES_WINDOW and "sliding_attention" in layer_kinds(config)
-            and getattr(text, "sliding_window", None) is not None):
+    if device.type == "cuda" and not FLASH_TAKES_WINDOW and model_window(config) is not None:
         return False
     return not any(getattr(m, "is_causal", True) is False or isinstance(getattr(m, "sinks", None), torch.Tensor)
                    for m in decoder.modules())

@@ -45,7 +45,7 @@ from fastgrpo.compiler.layer_graphs import bucket_length, bucket_step
 from fastgrpo.kernels._dispatch import next_power_of_2
 from fastgrpo.integrations.packed_dispatch import (PACKED_ATTENTION_PREFIX, segments_everywhere,
                                                    use_mask_dispatched_attention, varlen_refusal)
-from fastgrpo.integrations.windows import layer_kinds
+from fastgrpo.integrations.windows import layer_kinds, model_window
 from fastgrpo.kernels.packed_attention import FLASH_TAKES_WINDOW
 
 # Layer kinds whose attention a mask can confine to a segment. Anything else (linear attention,
@@ -377,9 +377,8 @@ def unsupported_reason(config, decoder: torch.nn.Module, plan: PackPlan | None =
 def window_cuts_rows(config, row_length: int) -> bool:
     """Whether the model has sliding-window layers whose window rows of `row_length` tokens span WINDOW_PACK_ROWS
     times or more."""
-    window = getattr(config.get_text_config(), "sliding_window", None)
-    return (window is not None and "sliding_attention" in layer_kinds(config)
-            and row_length >= WINDOW_PACK_ROWS * window)
+    window = model_window(config)
+    return window is not None and row_length >= WINDOW_PACK_ROWS * window
 
 
 def _window_matters(text_config, plan: PackPlan) -> bool:

@@ -20,6 +20,12 @@ def layer_kinds(config) -> list[str]:
     return list(kinds)
 
 
+def model_window(config) -> int | None:
+    """The window of the model's sliding-window layers (None: no layer slides)."""
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    return window if window is not None and "sliding_attention" in layer_kinds(config) else None
+
+
 def layer_window(module, kwargs) -> int | None:
     """The sliding window an attention module's call applies: the call's `sliding_window` argument where the model
     passes one; otherwise the one the model's mask gives this layer (None: no window). The layer index is read only
@@ -28,15 +34,13 @@ def layer_window(module, kwargs) -> int | None:
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
     config = getattr(module, "config", None)
-    window = getattr(config.get_text_config(), "sliding_window", None) if hasattr(config, "get_text_config") else None
+    window = model_window(config) if hasattr(config, "get_text_config") else None
     if window is None:
         return None
-    kinds = set(layer_kinds(config))
-    if "sliding_attention" not in kinds:
-        return None
-    if kinds == {"sliding_attention"}:
+    kinds = layer_kinds(config)
+    if "full_attention" not in kinds:
         return window
-    index, every = getattr(module, "layer_idx", None), layer_kinds(config)
-    if index is None or not 0 <= index < len(every):
+    index = getattr(module, "layer_idx", None)
+    if index is None or not 0 <= index < len(kinds):
         return UNKNOWN_WINDOW
-    return window if every[index] == "sliding_attention" else None
+    return window if kinds[index] == "sliding_attention" else None

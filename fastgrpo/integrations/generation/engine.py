@@ -310,11 +310,11 @@ class RolloutEngine:
         device = next(decoder.parameters()).device
         batch = len(prompts)
         chunk = getattr(decoder.config.get_text_config(), "attention_chunk_size", None)
-        if chunk and max(len(p) for p in prompts) + self.max_new_tokens > chunk:
+        longest = max(len(p) for p in prompts) + self.max_new_tokens
+        if chunk and longest > chunk:
             raise NotRolloutAttention(
                 f"{type(decoder).__name__} attends in chunks of {chunk} tokens (attention_chunk_size), which only its "
-                f"mask applies and the engine's cache does not; these rows reach "
-                f"{max(len(p) for p in prompts) + self.max_new_tokens} tokens")
+                f"mask applies and the engine's cache does not; these rows reach {longest} tokens")
         multiple = self.pad_to_multiple_of
         prompt_len = round_up(max(len(p) for p in prompts), multiple)
         slots = round_up(prompt_len + self.max_new_tokens, multiple)
