@@ -502,7 +502,7 @@ def _strict():
     return context
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3", "doge", "phimoe"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3", "doge", "phimoe", "phi3"])
 def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
     """Windows shorter than the prompt + completion, Gemma-2's softcap, gpt-oss's sinks, alternating layer kinds, a
     window that only the model's mask carries (Doge, PhiMoE: the attention call names none): the compiled step equals
@@ -527,6 +527,26 @@ def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
         assert compiles == len(set(getattr(model.config, "layer_types", None) or ["one"]))
         assert generator.generate(batch, temperature=0) == expected
         assert generator.engine.backend.compiles == compiles
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "doge", "phimoe", "phi3"])
+def test_sliding_windows_decode_on_cuda(arch):
+    """On CUDA (inductor, CUDA graphs, the decode attention kernel with its window): windows shorter than the rows,
+    also where only the model's mask carries the window (Doge, PhiMoE), give model.generate's greedy tokens."""
+    from fastgrpo.compiler.tiny import tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model(arch, vocab_size=VOCAB, initializer_range=0.5, sliding_window=4).eval().cuda()
+    batch = [p for p in prompts() for _ in range(2)]
+    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14)
+    context = _strict()
+    try:
+        assert generator.generate(batch, temperature=0) == expected
+        assert generator.generate(batch, temperature=0) == expected  # graph replay
     finally:
         context.__exit__(None, None, None)
 
