@@ -5,6 +5,7 @@ replayed once its key repeats, a layer that draws random numbers is never replay
 drops the graphs that read it, and a layer keeps at most MAX_KEYS_PER_LAYER keys. On the CPU the pieces that need no
 device: the input keys, the staging buffers, the agreement check, and that nothing is replayed there.
 """
+import contextlib
 import gc
 import types
 import warnings
@@ -146,7 +147,8 @@ def _reference(model, ids):
 
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("llama", torch.float32), ("gemma2", torch.bfloat16)])
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("llama", torch.float32), ("gemma2", torch.bfloat16),
+                                        ("phi3", torch.bfloat16)])
 def test_replayed_layers_give_the_gradients_of_the_calls_run_as_they_are(arch, dtype, device):
     layers = 3
     model = _model(arch, dtype, device, layers)
@@ -417,3 +419,42 @@ def test_a_failed_capture_stops_all_captures_and_the_calls_run_as_they_are(monke
             _close(_reference(model, ids), _step(model, ids), 1e-5)
     assert handle.graphs.broken and handle.graphs.stats["captured"] == 0
     assert handle.graphs.stats["eager"] == 3 + 1  # the first step's calls, then layer 0's second, whose capture failed
+
+
+@pytest.mark.gpu
+def test_a_backward_capture_that_fails_leaves_the_device_as_it_was(monkeypatch):
+    """On CUDA: a host sync in the captured backward breaks its capture. Every layer then runs as it is with one
+    warning, the gradients stay those of the calls run as they are, and the device's random generator, its current
+    stream and later captures into the graphs' pool all work (torch leaves them broken after a failed capture)."""
+    layer_graphs.ENABLED, enabled = True, layer_graphs.ENABLED
+    try:
+        recompute = layer_graphs._dispatch.checkpoint_recompute
+
+        @contextlib.contextmanager
+        def syncing_in_captures():
+            with recompute():
+                if torch.cuda.is_current_stream_capturing():
+                    torch.cuda.synchronize()
+                yield
+
+        model = _model("qwen3", torch.bfloat16, "cuda", layers=3)
+        handle = enable_offloaded_checkpointing(model)
+        monkeypatch.setattr(layer_graphs._dispatch, "checkpoint_recompute", syncing_in_captures)
+        stream = torch.cuda.current_stream()
+        with pytest.warns(UserWarning, match="capture failed.*capturing"):
+            for seed in range(4):
+                ids = _ids("cuda", length=256, seed=seed)
+                _close(_reference(model, ids), _step(model, ids), 2e-2)
+        assert handle.graphs.broken and handle.graphs.stats["replayed_backward"] == 0
+        assert torch.cuda.current_stream() == stream
+        torch.rand(4, device="cuda")
+        pool, capture_stream = layer_graphs._graphs.capture_pool(torch.device("cuda", torch.cuda.current_device()))
+        x = torch.ones(4, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        capture_stream.wait_stream(stream)
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+            y = x * 2
+        graph.replay()
+        torch.testing.assert_close(y, torch.full((4,), 2.0, device="cuda"))
+    finally:
+        layer_graphs.ENABLED = enabled

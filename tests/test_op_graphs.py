@@ -247,3 +247,59 @@ def test_inference_mode_calls_run_as_they_are():
                           weights["w_down"], *list(lora.values())[4:], 0.5)
         assert _graphs.stats == {"captured": 0, "replayed": 0, "eager": 0} and not _graphs._staging
         forward_backward(weights, lora, x, torch.ones_like(x))  # a later call outside it runs as usual
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_is_undone_whole():
+    """A body that breaks its capture (a host sync after a random draw and an allocation in the pool) raises its own
+    error; the stream, the pool's recording and the random generator are as before: draws, captures into the same
+    pool and their replays work."""
+    _graphs.reset()
+    pool, stream = _graphs.capture_pool(torch.device("cuda", torch.cuda.current_device()))
+    before = torch.cuda.current_stream()
+    stream.wait_stream(before)
+    with pytest.raises(RuntimeError) as caught:
+        with _graphs.capturing(torch.cuda.CUDAGraph(), pool, stream):
+            noise = torch.rand(64, device="cuda") * 2
+            noise.sum().item()  # not allowed while capturing
+    assert "capturing" in str(caught.value) and "previous error" not in str(caught.value)
+    assert torch.cuda.current_stream() == before and not torch.cuda.is_current_stream_capturing()
+    torch.manual_seed(0)
+    first = torch.rand(8, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(8, device="cuda"), first)
+    x = torch.arange(8.0, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with _graphs.capturing(graph, pool, stream):
+        y = x * 3 + torch.rand(8, device="cuda") * 0
+    x.add_(1)
+    graph.replay()
+    torch.testing.assert_close(y, (torch.arange(8.0, device="cuda") + 1) * 3)
+
+
+@pytest.mark.gpu
+def test_an_op_whose_capture_fails_runs_as_it_is_and_says_why(monkeypatch):
+    """The gated-MLP op's body broken for captures only: one warning naming the error, the op's values unchanged,
+    no later capture of it, and random draws on the device still work."""
+    _graphs.reset()
+    weights, lora = layer(9)
+    x, dy = inputs(1280, seed=9)
+    with graphs(False):
+        want = forward_backward(weights, lora, x, dy)
+    capture = _graphs._capture
+
+    def breaking(entry, rows, others, call, *args):
+        def body(rows, others):
+            if torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()
+            return call(rows, others)
+        return capture(entry, rows, others, body, *args)
+
+    monkeypatch.setattr(_graphs, "_capture", breaking)
+    with graphs(True), pytest.warns(UserWarning, match="capture failed.*capturing"):
+        runs = [forward_backward(weights, lora, x, dy) for _ in range(3)]
+    for got in runs:
+        assert_same(got, want, exact=True)
+    assert _graphs.stats["captured"] == 0 and _graphs.failed
+    torch.rand(4, device="cuda")

@@ -499,6 +499,8 @@ class LayerGraphs:
         return [self.staging.like("in", i, t) for i, t in enumerate(tensors)]
 
     def _capture(self, body, role: str) -> tuple[torch.cuda.CUDAGraph, list]:
+        if self.broken is not None:  # keys made before the failure capture no more either
+            raise _NotReplayable(self.broken)
         if not torch.cuda.is_available():  # EMULATE_ON_CPU: a "graph" that runs its body again at each replay
             try:
                 body()  # as the warm-up before a capture
@@ -527,18 +529,15 @@ class LayerGraphs:
             torch.clear_autocast_cache()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with _graphs.capturing(graph, pool, stream):  # undone whole where it fails
                     produced = body()
                     for buffer, t in zip(outputs, produced):
                         if buffer is not None:
                             buffer.copy_(t)
                     del produced
                 torch.clear_autocast_cache()
-            except Exception as error:
-                # A capture that failed may leave the allocator recording into the pool; no later capture is tried.
+            except Exception as error:  # no later capture is tried
                 self.broken = f"a capture failed ({_brief(error)})"
-                with contextlib.suppress(Exception):
-                    torch._C._cuda_endAllocateToPool(device, pool)
                 raise
         finally:
             _dispatch.restore_after_backward_peak(pending)

@@ -26,13 +26,16 @@ are kept.
 
 A key is captured at its second call (a row count seen once is not worth a capture: the first call runs the body
 as it is), after one warm-up run on the capture stream, as torch's CUDA-graph rules ask. Calls run the body as it
-is off CUDA, inside another capture, in inference mode, and when `ENABLED` is off (FASTGRPO_OP_GRAPHS=0).
+is off CUDA, inside another capture, in inference mode, and when `ENABLED` is off (FASTGRPO_OP_GRAPHS=0). A capture
+that fails is undone (`capturing`), warned once with its error, and the op's calls run as they are from then on
+(`failed`).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,6 +69,7 @@ _graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
 _staging: dict[tuple, torch.Tensor] = {}
 _pools: dict[torch.device, tuple] = {}  # device -> (memory pool handle, capture stream)
 stats = {"captured": 0, "replayed": 0, "eager": 0}
+failed: dict[str, str] = {}  # op name -> why its capture failed (its calls run as they are)
 
 
 def _describe(t: torch.Tensor | None) -> tuple:
@@ -163,12 +167,23 @@ def replayed(name: str, call: Callable[[tuple, tuple], tuple], weights: tuple, r
     _graphs.move_to_end(key)
     device = rows[0].device
     if entry.graph is None:
+        if name in failed:
+            stats["eager"] += 1
+            return None
         staged = [_row_staging("in", i, padded, tuple(t.shape[1:]), t.dtype, device) for i, t in enumerate(rows)]
         staged += [None if t is None else _staging_buffer("in", len(rows) + i, tuple(t.shape), t.dtype, device)
                    for i, t in enumerate(others)]
         _stage(staged, rows, others, n)
         entry.inputs = staged
-        _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, padded, device)
+        try:
+            _capture(entry, staged[:len(rows)], staged[len(rows):], call, row_outputs, padded, device)
+        except Exception as error:  # the capture was undone (`capturing`); the op's calls run as they are from now on
+            failed[name] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            del _graphs[key]
+            warnings.warn(f"fastgrpo: {name}'s calls are not replayed as CUDA graphs: its capture failed: "
+                          f"{failed[name]}", stacklevel=3)
+            stats["eager"] += 1
+            return None
         stats["captured"] += 1
     else:
         _stage(entry.inputs, rows, others, n)
@@ -190,6 +205,44 @@ def capture_pool(device: torch.device) -> tuple:
     return _pools[device]
 
 
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream | None = None):
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, undone whole when the capture fails. torch's capture_end
+    raises on a failed capture before it ends the allocator's recording into `pool`, the random generators' capture
+    and the stream context; left so, every later capture into the pool ("beginAllocateToPool: already recording") and
+    every random draw on the device ("Offset increment outside graph capture") would fail for the rest of the
+    process. The error raised is the body's own (what broke the capture), not capture_end's. `stream` None: torch's
+    default capture stream."""
+    before = torch.cuda.current_stream()
+    context = torch.cuda.graph(graph, pool=pool, stream=stream)
+    stream = context.capture_stream
+    context.__enter__()
+    try:
+        yield
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            context.__exit__(type(error), error, error.__traceback__)
+        _undo_capture(before, pool, stream)
+        raise
+    try:
+        context.__exit__(None, None, None)
+    except BaseException:
+        _undo_capture(before, pool, stream)
+        raise
+
+
+def _undo_capture(before: torch.cuda.Stream, pool, stream: torch.cuda.Stream) -> None:
+    """What a failed capture left: the stream it made current, the pool's recording, the generators' capture flag (a
+    capture that ends, of one kernel, runs their epilogue)."""
+    torch.cuda.set_stream(before)
+    if pool is not None:
+        with contextlib.suppress(RuntimeError):  # raises where the capture's end got that far
+            torch._C._cuda_endAllocateToPool(stream.device.index, pool)
+    scratch = torch.zeros(1, device=stream.device)
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, stream=stream):
+        scratch.add_(1)
+
+
 def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> None:
     pool, stream = capture_pool(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -199,7 +252,7 @@ def _capture(entry: _Graph, rows, others, call, row_outputs, padded, device) -> 
     entry.outputs = output_staging(warm, row_outputs, padded, device)
     del warm
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    with capturing(graph, pool, stream):
         outputs = call(tuple(rows), tuple(others))
         for buffer, t in zip(entry.outputs, outputs):
             buffer.copy_(t)
@@ -240,5 +293,6 @@ def reset() -> None:
     _graphs.clear()
     _staging.clear()
     _pools.clear()
+    failed.clear()
     for key in stats:
         stats[key] = 0

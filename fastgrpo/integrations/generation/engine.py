@@ -41,7 +41,9 @@ from fastgrpo.integrations.generation.kv import (
     rollout_context,
 )
 from fastgrpo.integrations.generation.recurrent import has_states, own_states, recurrent_mixers
+from fastgrpo.integrations.generation.rotary import RotaryTables, check_length
 from fastgrpo.integrations.generation.sampling import Sampling, sample
+from fastgrpo.kernels._graphs import capturing
 
 
 class RecompileStorm(RuntimeError):
@@ -164,6 +166,7 @@ class _Buffers:
     completion: torch.Tensor  # [rows, max_new_tokens]
     logprobs: torch.Tensor  # [rows, max_new_tokens] fp32: log-prob of each sampled token (temperature applied)
     eos: torch.Tensor  # the EOS token ids (kept, like every tensor a captured step reads: a later call replays it)
+    rotary: RotaryTables | None = None  # the rotary modules' per-position tables the decode steps read
     seen: torch.Tensor | None = None  # [rows, vocab] bool, for the repetition penalty
     batches: dict = field(default_factory=dict)  # size -> _Batch
     weights: tuple = ()  # the adapter copies' versions the captured graphs read
@@ -243,7 +246,7 @@ class RolloutEngine:
                 last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
                 completion=torch.zeros(rows, self.max_new_tokens, **long),
                 logprobs=torch.zeros(rows, self.max_new_tokens, device=device),
-                eos=torch.tensor(self.eos_token_ids, device=device),
+                eos=torch.tensor(self.eos_token_ids, device=device), rotary=RotaryTables(slots),
             )  # fmt: skip
             self._buffers = b
         if penalty and (b.seen is None or b.seen.shape[1] != vocab):
@@ -310,11 +313,12 @@ class RolloutEngine:
         device = next(decoder.parameters()).device
         batch = len(prompts)
         chunk = getattr(decoder.config.get_text_config(), "attention_chunk_size", None)
-        longest = max(len(p) for p in prompts) + self.max_new_tokens
-        if chunk and longest > chunk:
+        reach = max(len(p) for p in prompts) + self.max_new_tokens  # positions a row may reach
+        if chunk and reach > chunk:
             raise NotRolloutAttention(
                 f"{type(decoder).__name__} attends in chunks of {chunk} tokens (attention_chunk_size), which only its "
-                f"mask applies and the engine's cache does not; these rows reach {longest} tokens")
+                f"mask applies and the engine's cache does not; these rows reach {reach} tokens")
+        check_length(decoder, reach)
         multiple = self.pad_to_multiple_of
         prompt_len = round_up(max(len(p) for p in prompts), multiple)
         slots = round_up(prompt_len + self.max_new_tokens, multiple)
@@ -368,7 +372,7 @@ class RolloutEngine:
             size = batch
             current = self._batch(b, size)
             current.rows.copy_(torch.arange(size, device=device))
-            with self._compiled_layers(decoder):
+            with self._compiled_layers(decoder), b.rotary.installed(decoder, _decoder_layers(decoder)):
                 while generated < self.max_new_tokens:
                     if generated % self.check_every == 0:
                         running = int((~b.finished[:batch]).sum())
@@ -479,7 +483,7 @@ class RolloutEngine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured, pool=self._pool):
+        with capturing(captured, self._pool):  # a failed capture leaves the device as it was (model.generate's turn)
             self._step(decoder, batch, b, sampling)
         batch.graph = (sampling, captured)
         captured.replay()  # capturing records the step without running it
