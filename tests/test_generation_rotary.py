@@ -77,3 +77,22 @@ def test_length_dependent_rope_past_its_pretraining_length_goes_to_generate_with
         assert generator.generate(prompts(), temperature=0) == expected
     notes = [str(w.message) for w in caught if issubclass(w.category, GenerationFallbackWarning)]
     assert len(notes) == 1 and rope["rope_type"] in notes[0] and "16 positions" in notes[0], notes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, rope", [("phimoe", None), ("phi3", longrope(64)), ("llama", dynamic(2.0))])
+def test_rotary_tables_in_captured_decode_steps(arch, rope):
+    """On CUDA (inductor, each decode step a CUDA graph): model.generate's greedy tokens, also on a replay."""
+    torch._dynamo.reset()
+    overrides = {"rope_parameters": rope} if rope else {}
+    model = tiny_model(arch, vocab_size=VOCAB, initializer_range=0.5, max_position_embeddings=64,
+                       **overrides).eval().cuda()
+    batch = [p for p in prompts() for _ in range(2)]
+    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14)
+    context = _strict()
+    try:
+        assert generator.generate(batch, temperature=0) == expected
+        assert generator.generate(batch, temperature=0) == expected
+    finally:
+        context.__exit__(None, None, None)

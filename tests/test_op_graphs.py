@@ -252,8 +252,8 @@ def test_inference_mode_calls_run_as_they_are():
 @pytest.mark.gpu
 def test_a_failed_capture_is_undone_whole():
     """A body that breaks its capture (a host sync after a random draw and an allocation in the pool) raises its own
-    error; the stream, the pool's recording and the random generator are as before: draws, captures into the same
-    pool and their replays work."""
+    error; the stream and the random generator are as before, the graphs' pool is a new one: draws, captures and
+    their replays work."""
     _graphs.reset()
     pool, stream = _graphs.capture_pool(torch.device("cuda", torch.cuda.current_device()))
     before = torch.cuda.current_stream()
@@ -268,6 +268,9 @@ def test_a_failed_capture_is_undone_whole():
     first = torch.rand(8, device="cuda")
     torch.manual_seed(0)
     assert torch.equal(torch.rand(8, device="cuda"), first)
+    retired = pool
+    pool, stream = _graphs.capture_pool(torch.device("cuda", torch.cuda.current_device()))
+    assert pool != retired  # the host allocator still records into the old one
     x = torch.arange(8.0, device="cuda")
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())

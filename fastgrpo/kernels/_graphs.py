@@ -207,16 +207,22 @@ def capture_pool(device: torch.device) -> tuple:
 
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream | None = None):
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, undone whole when the capture fails. torch's capture_end
-    raises on a failed capture before it ends the allocator's recording into `pool`, the random generators' capture
-    and the stream context; left so, every later capture into the pool ("beginAllocateToPool: already recording") and
-    every random draw on the device ("Offset increment outside graph capture") would fail for the rest of the
-    process. The error raised is the body's own (what broke the capture), not capture_end's. `stream` None: torch's
-    default capture stream."""
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, undone when the capture fails. torch's capture_end raises
+    on a failed capture before it ends the allocators' recording into `pool`, the random generators' capture and the
+    stream context; left so, every later capture into the pool ("beginAllocateToPool: already recording") and every
+    random draw on the device ("Offset increment outside graph capture") fails for the rest of the process. Undone:
+    the stream, the generators (a capture that ends runs their epilogue), and `pool` retired: the host allocator's
+    recording cannot be ended from Python, so the graphs of this module capture into a new pool from then on
+    (`capture_pool`). The error raised is the body's own (what broke the capture), not capture_end's. `stream` None:
+    torch's default capture stream."""
     before = torch.cuda.current_stream()
     context = torch.cuda.graph(graph, pool=pool, stream=stream)
     stream = context.capture_stream
-    context.__enter__()
+    try:
+        context.__enter__()
+    except BaseException:
+        _undo_capture(before, pool, stream)
+        raise
     try:
         yield
     except BaseException as error:
@@ -232,14 +238,17 @@ def capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream | Non
 
 
 def _undo_capture(before: torch.cuda.Stream, pool, stream: torch.cuda.Stream) -> None:
-    """What a failed capture left: the stream it made current, the pool's recording, the generators' capture flag (a
-    capture that ends, of one kernel, runs their epilogue)."""
     torch.cuda.set_stream(before)
+    device = stream.device
     if pool is not None:
         with contextlib.suppress(RuntimeError):  # raises where the capture's end got that far
-            torch._C._cuda_endAllocateToPool(stream.device.index, pool)
-    scratch = torch.zeros(1, device=stream.device)
-    with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, stream=stream):
+            torch._C._cuda_endAllocateToPool(device.index, pool)
+        for key, (handle, capture_stream) in list(_pools.items()):
+            if handle == pool:
+                _pools[key] = (torch.cuda.graph_pool_handle(), capture_stream)
+    scratch = torch.zeros(1, device=device)
+    stream.wait_stream(before)
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):  # a pool of its own, released with the graph
         scratch.add_(1)
 
 

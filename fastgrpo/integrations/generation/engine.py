@@ -483,8 +483,12 @@ class RolloutEngine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         captured = torch.cuda.CUDAGraph()
-        with capturing(captured, self._pool):  # a failed capture leaves the device as it was (model.generate's turn)
-            self._step(decoder, batch, b, sampling)
+        try:
+            with capturing(captured, self._pool):  # a failed capture leaves the device as it was
+                self._step(decoder, batch, b, sampling)
+        except BaseException:
+            self._pool = None  # retired (`capturing`)
+            raise
         batch.graph = (sampling, captured)
         captured.replay()  # capturing records the step without running it
 
