@@ -458,3 +458,37 @@ def test_a_backward_capture_that_fails_leaves_the_device_as_it_was(monkeypatch):
         torch.testing.assert_close(y, torch.full((4,), 2.0, device="cuda"))
     finally:
         layer_graphs.ENABLED = enabled
+
+
+@pytest.mark.gpu
+def test_a_large_call_before_a_small_one_in_a_step_leaves_the_small_ones_replayable(monkeypatch):
+    """A call too large to replay, run first in a step, holds its layer's gradient accumulators until the backward;
+    the small call after it still captures and replays (its leaves' accumulators were made on the capture stream at
+    the layer's first call), and the gradients are those of the calls run as they are."""
+    layer_graphs.ENABLED, enabled = True, layer_graphs.ENABLED
+    try:
+        model = _model("qwen3", torch.bfloat16, "cuda", layers=3)
+        handle = enable_offloaded_checkpointing(model)
+        elements = sum(p.numel() for p in handle.graphs.blocks[0].parameters())
+        monkeypatch.setattr(layer_graphs, "MAX_WORK_PER_CALL", 2 * elements * 512)  # 4 x 64 replays, 4 x 256 not
+
+        def step(big, small):
+            loss = sum(model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)[..., 5].mean()
+                       for ids in (big, small))
+            loss.backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            return loss.detach(), grads
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seed in range(5):
+                big, small = _ids("cuda", length=256, seed=seed), _ids("cuda", length=64, seed=seed + 10)
+                layer_graphs.ENABLED = False
+                want = step(big, small)
+                layer_graphs.ENABLED = True
+                _close(want, step(big, small), 2e-2)
+        assert not [w for w in caught if "not replayed" in str(w.message)], [str(w.message) for w in caught]
+        assert handle.graphs.stats["replayed_backward"] > 0 and handle.graphs.stats["gpu_bound"] > 0
+    finally:
+        layer_graphs.ENABLED = enabled

@@ -283,6 +283,8 @@ class LayerGraphs:
                 and not torch.is_inference_mode_enabled()
                 and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
+        if hidden.is_cuda and layer not in self.accumulators:
+            self._own_accumulators(layer, [p for p in self.blocks[layer].parameters() if p.requires_grad])
         if not self.worth_it(hidden.numel() // hidden.size(-1), layer):  # before any other work on the call
             self.stats["gpu_bound"] += 1
             return None
@@ -397,17 +399,24 @@ class LayerGraphs:
             raise _NotReplayable("its gradient reaches a tensor that requires grad and is not one of its parameters")
         entry.leaves = list(leaves)
         if call.layer not in self.accumulators and leaves and leaves[0].is_cuda:
-            # The backward graph differentiates for the leaves on the capture stream; the autograd engine runs a leaf's
-            # AccumulateGrad node on the stream that node was made on, and a wait of the capture stream on another
-            # stream breaks the capture. So the layer's leaves get their nodes made on the capture stream, kept alive
-            # here (outside a capture the engine syncs the streams as usual).
-            # The engine warns once of the mismatch when an eager backward reaches such a node: expected here.
-            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
-            _, stream = _graphs.capture_pool(leaves[0].device)
-            with torch.cuda.stream(stream), torch.enable_grad():
-                self.accumulators[call.layer] = [leaf.view_as(leaf).grad_fn.next_functions[0][0] for leaf in leaves]
+            self._own_accumulators(call.layer, leaves)
         entry.out_shape = None if isinstance(out, torch.Tensor) else tuple(
             None if isinstance(v, torch.Tensor) else ("value", v) for v in outputs)
+
+    def _own_accumulators(self, layer: int, leaves: list[torch.Tensor]) -> None:
+        """The backward graph differentiates for the leaves on the capture stream; the autograd engine runs a leaf's
+        AccumulateGrad node on the stream that node was made on, and a capture that waits on the legacy stream fails
+        ("operation would make the legacy stream depend on a capturing blocking stream"). So a layer's leaves get their
+        nodes made on the capture stream at the layer's first call of any size, and kept alive here: a node is made
+        once while alive, and a call too large to replay, run earlier in the same step, would otherwise have made it on
+        the default stream (outside a capture the engine syncs the streams as usual)."""
+        if not leaves:
+            return
+        # The engine warns once of the mismatch when an eager backward reaches such a node: expected here.
+        warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+        _, stream = _graphs.capture_pool(leaves[0].device)
+        with torch.cuda.stream(stream), torch.enable_grad():
+            self.accumulators[layer] = [leaf.view_as(leaf).grad_fn.next_functions[0][0] for leaf in leaves]
 
     def _capture_forward(self, entry: _Entry, call, hidden: torch.Tensor) -> None:
         captures, replays = self.churn.setdefault(call.layer, [0, 0])
