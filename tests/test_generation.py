@@ -502,6 +502,17 @@ def _strict():
     return context
 
 
+def assert_engine_greedy(model, batch, max_new_tokens=14, **generator_kwargs):
+    """The generator's greedy tokens are model.generate's in two calls (on CUDA the second replays the captured
+    steps), with no fallback warning."""
+    expected = hf_greedy(model, batch, max_new_tokens, eos=VOCAB + 1)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=max_new_tokens, **generator_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        assert generator.generate(batch, temperature=0) == expected
+        assert generator.generate(batch, temperature=0) == expected
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "gpt_oss", "qwen3", "doge", "phimoe", "phi3"])
 def test_sliding_windows_softcaps_and_sinks_decode_compiled(arch):
     """Windows shorter than the prompt + completion, Gemma-2's softcap, gpt-oss's sinks, alternating layer kinds, a
@@ -540,15 +551,7 @@ def test_sliding_windows_decode_on_cuda(arch):
 
     torch._dynamo.reset()
     model = tiny_model(arch, vocab_size=VOCAB, initializer_range=0.5, sliding_window=4).eval().cuda()
-    batch = [p for p in prompts() for _ in range(2)]
-    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14)
-    context = _strict()
-    try:
-        assert generator.generate(batch, temperature=0) == expected
-        assert generator.generate(batch, temperature=0) == expected  # graph replay
-    finally:
-        context.__exit__(None, None, None)
+    assert_engine_greedy(model, [p for p in prompts() for _ in range(2)])
 
 
 @pytest.mark.parametrize("chunk, engine", [(32, True), (8, False), (14, False)])

@@ -10,7 +10,7 @@ import torch
 from fastgrpo.compiler.tiny import tiny_model
 from fastgrpo.integrations.generation import EmbeddedGenerator, GenerationFallbackWarning
 from fastgrpo.integrations.generation.rotary import RotaryTables, rotary_modules
-from tests.test_generation import PAD, VOCAB, _strict, hf_greedy, prompts
+from tests.test_generation import PAD, VOCAB, assert_engine_greedy, hf_greedy, prompts
 
 HEAD_DIM = 32
 
@@ -51,16 +51,7 @@ def test_rotary_modules_with_host_work_decode_on_the_engine(arch, rope):
     """Within the pretraining length (64 positions here) the engine's greedy tokens are model.generate's."""
     overrides = {"rope_parameters": rope} if rope else {}
     model = tiny_model(arch, vocab_size=VOCAB, initializer_range=0.5, max_position_embeddings=64, **overrides).eval()
-    batch = prompts()
-    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14, compile=True, compile_backend="eager",
-                                  pad_to_multiple_of=8)
-    context = _strict()
-    try:
-        assert generator.generate(batch, temperature=0) == expected
-        assert generator.generate(batch, temperature=0) == expected
-    finally:
-        context.__exit__(None, None, None)
+    assert_engine_greedy(model, prompts(), compile=True, compile_backend="eager", pad_to_multiple_of=8)
 
 
 @pytest.mark.parametrize("rope", [longrope(16), dynamic(2.0)])
@@ -87,12 +78,4 @@ def test_rotary_tables_in_captured_decode_steps(arch, rope):
     overrides = {"rope_parameters": rope} if rope else {}
     model = tiny_model(arch, vocab_size=VOCAB, initializer_range=0.5, max_position_embeddings=64,
                        **overrides).eval().cuda()
-    batch = [p for p in prompts() for _ in range(2)]
-    expected = hf_greedy(model, batch, 14, eos=VOCAB + 1)
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=14)
-    context = _strict()
-    try:
-        assert generator.generate(batch, temperature=0) == expected
-        assert generator.generate(batch, temperature=0) == expected
-    finally:
-        context.__exit__(None, None, None)
+    assert_engine_greedy(model, [p for p in prompts() for _ in range(2)])

@@ -217,23 +217,17 @@ def capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream | Non
     torch's default capture stream."""
     before = torch.cuda.current_stream()
     context = torch.cuda.graph(graph, pool=pool, stream=stream)
-    stream = context.capture_stream
     try:
         context.__enter__()
-    except BaseException:
-        _undo_capture(before, pool, stream)
-        raise
-    try:
-        yield
-    except BaseException as error:
-        with contextlib.suppress(Exception):
-            context.__exit__(type(error), error, error.__traceback__)
-        _undo_capture(before, pool, stream)
-        raise
-    try:
+        try:
+            yield
+        except BaseException as error:
+            with contextlib.suppress(Exception):  # capture_end's own error hides the body's
+                context.__exit__(type(error), error, error.__traceback__)
+            raise
         context.__exit__(None, None, None)
     except BaseException:
-        _undo_capture(before, pool, stream)
+        _undo_capture(before, pool, context.capture_stream)
         raise
 
 

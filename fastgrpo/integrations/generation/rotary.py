@@ -120,7 +120,8 @@ def check_length(decoder: nn.Module, length: int) -> None:
     `length` positions."""
     for module in rotary_modules(decoder):
         kinds = _rope_types(module) & set(LENGTH_DEPENDENT)
-        if kinds and (pretraining_length(module) is None or length > pretraining_length(module)):
+        limit = pretraining_length(module) if kinds else None
+        if kinds and (limit is None or length > limit):
             raise NotRolloutAttention(
                 f"{type(module).__name__} ({'/'.join(sorted(kinds))} RoPE) changes its frequencies with the sequence "
-                f"length past {pretraining_length(module)} positions, and these rows reach {length}")
+                f"length past {limit} positions, and these rows reach {length}")
