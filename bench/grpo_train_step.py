@@ -217,6 +217,9 @@ def run(args) -> dict:
         release_memory=bool(args.release_memory) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         micro_batch=micro, layer_graphs=layer_graph_stats(trainer),
+        # fastgrpo's rows per forward ("auto"), each step: update, scoring
+        mini_batches=[[entry.get("fastgrpo/mini_batch_update"), entry.get("fastgrpo/mini_batch_scoring")]
+                      for entry in trainer.state.log_history if "loss" in entry] if args.system == "fastgrpo" else None,
         step_s=median(clock.steps), generation_s=median(clock.generation), scoring_s=median(clock.scoring),
         update_s=median(clock.steps) - median(clock.generation) - median(clock.scoring),
         peak_gib=max(clock.peaks[timed], default=float("nan")), first_step_s=clock.steps[0],

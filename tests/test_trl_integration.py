@@ -20,6 +20,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer as StockGRPOTrainer
 
 import fastgrpo.integrations.trl as F
 from fastgrpo.integrations.precision import resolve_precision
+from fastgrpo.integrations.trl import sizing
 from tests.tiny_models import tiny_tokenizer
 
 VOCAB = 1024
@@ -324,6 +325,11 @@ def train_on_learnable_reward(tokenizer, tmp_path, seed=0, **config):
     trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]
     assert len(logs) == steps and all(math.isfinite(log["loss"]) for log in logs)
+    if args.fastgrpo_mini_batch == "auto":  # the rows of a forward, logged every step: one size for the whole run
+        sizes = {log["fastgrpo/mini_batch_update"] for log in logs}
+        assert len(sizes) == 1, sizes
+        if args.use_cpu:
+            assert sizes == {sizing.equal_parts(args.per_device_train_batch_size, sizing.CPU_MINI_BATCH)}
     assert trainer._embedded_generator is not None  # completions came from fastgrpo's generator
     assert trainer._embedded_generator.fallback is None
     assert not torch._dynamo.utils.counters["graph_break"]  # the decoder compiled as one graph
@@ -392,7 +398,7 @@ def test_bf16_autocast_training_on_cpu(tokenizer, tmp_path):
 @pytest.mark.gpu
 def test_gpu_training_with_automatic_precision_and_sizes(tokenizer, tmp_path):
     # Everything but the learning problem left to fastgrpo's defaults: bf16 autocast on this GPU, "auto" mini-batch
-    # and log-prob chunk (from torch.cuda.mem_get_info), the backend's default inner compiler (inductor), packed rows.
+    # and log-prob chunk (from the device's free memory and the allocator's cache), the backend's default inner compiler (inductor), packed rows.
     trainer, rewards = train_on_learnable_reward(tokenizer, tmp_path, use_cpu=False)
     assert trainer.args.bf16 and not trainer.args.fp16
     assert_reward_rose(rewards)

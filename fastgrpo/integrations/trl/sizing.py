@@ -16,8 +16,12 @@ MIN_LOGPROB_CHUNK = 4096
 
 
 def _free_accelerator_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take: the device's free memory plus what torch's caching allocator holds
+    unused. `mem_get_info` alone counts the allocator's cache as taken: after a step's update and rollout the
+    cache holds tens of GiB, and sizes planned from it shrank from step to step (an 8B step split into single rows)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(0, cached)
     return None
 
 
@@ -28,16 +32,30 @@ def _activation_bytes() -> int:
 
 
 def auto_mini_batch(
-    model_config, rows: int, seq_len: int, device: torch.device, grad: bool, checkpointing: bool
+    model_config, rows: int, seq_len: int, device: torch.device, grad: bool, checkpointing: bool,
+    offload: bool = False,
 ) -> int:
     """Rows per forward pass, so that one mini-batch's transient activations fit the memory budget.
 
     Per token, a decoder layer's intermediates are about 10 hidden-sized and 3 intermediate-sized
     tensors, alive one layer at a time. With grad, every row of the batch also keeps activations
-    until the backward whatever the mini-batch (each layer's input under gradient checkpointing,
-    all its intermediates without), so those come off the budget first. Attention is assumed to be
-    SDPA/flash (no [seq x seq] scores kept).
+    until the backward whatever the mini-batch (each layer's input under gradient checkpointing, in
+    host memory when `offload`; all its intermediates without checkpointing), so those come off the
+    budget first. Attention is assumed to be SDPA/flash (no [seq x seq] scores kept). The batch is cut
+    into mini-batches as equal as can be (`equal_parts`): one call shape a pass, so that one compiled graph
+    and one layer-graph key serve its mini-batches.
     """
+    return equal_parts(rows, _rows_that_fit(model_config, rows, seq_len, device, grad, checkpointing, offload))
+
+
+def equal_parts(rows: int, most: int) -> int:
+    """Rows per part when `rows` are cut into the fewest parts of at most `most` rows, all but the last equal and
+    the last at most one part's share smaller (64 rows, at most 40: 32 and 32; at most 30: 22, 22, 20)."""
+    parts = -(-rows // max(1, min(rows, most)))
+    return -(-rows // parts)
+
+
+def _rows_that_fit(model_config, rows, seq_len, device, grad, checkpointing, offload) -> int:
     free = _free_accelerator_bytes(device)
     if free is None:
         return min(rows, CPU_MINI_BATCH)
@@ -46,7 +64,7 @@ def auto_mini_batch(
     inter = getattr(text, "intermediate_size", None) or 4 * hidden
     one_layer = (10 * hidden + 3 * inter) * _activation_bytes()
     kept = 0
-    if grad:
+    if grad and not (checkpointing and offload):
         kept = layers * (hidden * _activation_bytes() if checkpointing else one_layer)
     budget = free * AUTO_MEMORY_FRACTION - kept * rows * seq_len
     return max(1, min(rows, int(budget // (one_layer * seq_len))))
@@ -57,11 +75,13 @@ def auto_logprob_chunk(hidden_size: int, itemsize: int, device: torch.device) ->
 
     The op walks the [tokens x vocab] logits in fixed-size tiles, so what grows with the tokens of
     one call is per token: the gathered hidden row, its gradient and the op's d(hidden) output.
+    A power of two, so that free memory that moves a little between steps leaves the call shapes as they were.
     """
     free = _free_accelerator_bytes(device)
     if free is None:
         return CPU_LOGPROB_CHUNK
-    return max(MIN_LOGPROB_CHUNK, int(free * AUTO_MEMORY_FRACTION) // (3 * hidden_size * itemsize))
+    fits = int(free * AUTO_MEMORY_FRACTION) // (3 * hidden_size * itemsize)
+    return max(MIN_LOGPROB_CHUNK, 1 << max(0, fits.bit_length() - 1))
 
 
 def out_of_memory_note(args) -> str:

@@ -276,7 +276,12 @@ class GRPOTrainer(TRLGRPOTrainer):
                 device=input_ids.device,
                 grad=torch.is_grad_enabled(),
                 checkpointing=self.args.gradient_checkpointing,
+                offload=self._fastgrpo_offload is not None,
             )
+            # Logged: a mini-batch that changes between steps changes every compiled call's shape.
+            mode = "train" if self.model.training else "eval"
+            name = "fastgrpo/mini_batch_" + ("update" if torch.is_grad_enabled() else "scoring")
+            self._metrics[mode][name].append(float(rows))
         # The entropy is extra work in the op and its backward: only compute it when TRL asks for it.
         for head in self._fastgrpo_heads:
             head.with_entropy = compute_entropy
