@@ -158,7 +158,8 @@ class GRPOConfig(TRLGRPOConfig):
         default="auto",
         metadata={
             "help": "Rows per forward pass when computing log-probs (policy, old policy, reference). 'auto' sizes "
-            "it from free accelerator memory (CUDA: torch.cuda.mem_get_info), capped by TRL's own batch; on CPU "
+            "it from free accelerator memory (CUDA: free device memory plus what torch's allocator caches unused), "
+            "capped by TRL's own batch and cut into equal parts; on CPU "
             f"{CPU_MINI_BATCH}. Like Unsloth's `unsloth_grpo_mini_batch`."
         },
     )
