@@ -1,6 +1,7 @@
 """EmbeddedGenerator and its rollout engine: same greedy tokens as model.generate on every decoder family the engine
 runs (others fall back with one warning), sampling as model.generate samples, EOS handling, finished rows dropping
 out, the compiled decode layer compiled once, no weight copy."""
+import re
 import warnings
 
 import peft
@@ -704,6 +705,20 @@ def test_a_model_the_engine_cannot_run_falls_back_to_generate_once():
         assert generator.generate(batch, temperature=0) == expected
 
 
+def test_a_model_that_reads_the_mask_itself_falls_back_naming_its_code():
+    """Falcon's eager attention adds the attention mask itself, outside transformers' AttentionInterface; the
+    engine gives no mask. The warning names the model, the model's line that failed and why, not a bare TypeError."""
+    from bench.coverage import tiny_causal_lm
+
+    model = tiny_causal_lm("falcon").eval()
+    vocab = model.config.vocab_size
+    generator = EmbeddedGenerator(model, PAD, [vocab + 1], max_new_tokens=4)
+    with pytest.warns(GenerationFallbackWarning, match=r"FalconForCausalLM: its own code \(modeling_falcon.py:\d+\) "
+                      r"failed on the engine's inputs, which give no attention mask.*TypeError") as w:
+        generator.generate([[5, 6, 7], [8, 9]], temperature=0)
+    assert len(w) == 1 and generator.fallback == "generate"
+
+
 def _family_cases():
     from bench.coverage import causal_lm_archs
 
@@ -733,6 +748,8 @@ def test_every_decoder_family_decodes_or_falls_back_with_one_warning(arch):
     else:
         assert len(result["rollout_warnings"]) == 1, result["rollout_warnings"]
         assert type(model).__name__ in result["rollout_warnings"][0]
+        # The reason is the engine's, not a bare Python error from inside the model's code.
+        assert not re.search(r"\((TypeError|AttributeError|IndexError|KeyError):", result["rollout_warnings"][0])
 
 
 def test_the_sweeps_rollout_check_sees_a_decode_graph_per_layer(monkeypatch):

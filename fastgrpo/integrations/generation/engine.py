@@ -128,6 +128,20 @@ class _CountingBackend:
             return self.inner(gm, example_inputs)
 
 
+def _model_code_frame(error: BaseException) -> str | None:
+    """"file:line" of the innermost frame of `error` when that frame is a model's code (not torch's, not
+    fastgrpo's): a model that reads the attention mask or the cache itself fails there on the engine's inputs."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return None
+    path = frames[-1].filename.replace("\\", "/")
+    if "/fastgrpo/" in path or "/torch/" in path:
+        return None
+    return f"{path.rsplit('/', 1)[-1]}:{frames[-1].lineno}"
+
+
 class EngineMismatch(RuntimeError):
     """The engine's logits differ from the model's own forward on the same tokens (the model computes something the
     engine does not reproduce: positions from the token ids, attention modules called twice per layer, ...)."""
@@ -420,6 +434,14 @@ class RolloutEngine:
                 decoder, input_ids, position_ids=positions, past_key_values=self._cache, use_cache=True,
                 logits_to_keep=1, **extra,
             ).logits[:, -1]
+        except (TypeError, AttributeError, IndexError, KeyError) as error:
+            if (where := _model_code_frame(error)) is None:
+                raise
+            raise NotRolloutAttention(
+                f"{type(decoder).__name__}: its own code ({where}) failed on the engine's inputs, which give no "
+                "attention mask (the rollout attention masks each row itself) and a cache of the engine's kind: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         finally:
             state.prefill = self._cache.prefilling = False
             for states in self._states:
