@@ -17,8 +17,8 @@ MIN_LOGPROB_CHUNK = 4096
 
 def _free_accelerator_bytes(device: torch.device) -> int | None:
     """Bytes a new allocation can take: the device's free memory plus what torch's caching allocator holds
-    unused. `mem_get_info` alone counts the allocator's cache as taken: after a step's update and rollout the
-    cache holds tens of GiB, and sizes planned from it shrank from step to step (an 8B step split into single rows)."""
+    unused. `mem_get_info` alone counts the allocator's cache as taken, and sizes planned from it shrink as the
+    cache grows over a run (bench/RESULTS.md, "Whole GRPO step": a Llama-3.1-8B update cut into single rows)."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(0, cached)
