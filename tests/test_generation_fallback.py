@@ -129,3 +129,22 @@ def test_the_sweeps_rollout_check_sees_a_decode_graph_per_layer(monkeypatch):
     assert result["rollout"] == "recompiles", result
     assert "FailOnRecompileLimitHit" in result["rollout_reason"]
     assert "['self_attn'].layer_idx == " in result["rollout_reason"], result["rollout_reason"]
+
+
+def test_an_error_in_fastgrpos_or_torchs_code_is_not_blamed_on_the_model():
+    """Only a failure inside the model's own code (here: this file) is named as the model's, by file and line; one
+    raised in fastgrpo's or torch's code is the engine's own, and the prefill raises it as it is."""
+    from fastgrpo.integrations.generation import engine
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001
+            return error
+        raise AssertionError("no error")
+
+    model_error = raised(lambda: None + 1)
+    line = model_error.__traceback__.tb_next.tb_lineno
+    assert engine._model_code_frame(model_error) == f"test_generation_fallback.py:{line}"
+    assert engine._model_code_frame(raised(lambda: engine.round_up(None, 8))) is None
+    assert engine._model_code_frame(raised(lambda: torch.nn.functional.softmax(None, 0))) is None

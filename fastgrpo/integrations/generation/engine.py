@@ -132,14 +132,18 @@ def _model_code_frame(error: BaseException) -> str | None:
     """"file:line" of the innermost frame of `error` when that frame is a model's code (not torch's, not
     fastgrpo's): a model that reads the attention mask or the cache itself fails there on the engine's inputs."""
     import traceback
+    from pathlib import Path
+
+    import fastgrpo
 
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return None
-    path = frames[-1].filename.replace("\\", "/")
-    if "/fastgrpo/" in path or "/torch/" in path:
+    path = Path(frames[-1].filename).resolve()
+    packages = (Path(fastgrpo.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
+    if any(path.is_relative_to(package) for package in packages):
         return None
-    return f"{path.rsplit('/', 1)[-1]}:{frames[-1].lineno}"
+    return f"{path.name}:{frames[-1].lineno}"
 
 
 class EngineMismatch(RuntimeError):
