@@ -6,13 +6,16 @@ Default (GPU): a random-init Qwen2.5-1.5B shape in bf16 with a PEFT LoRA r=16 ad
 logit is raised so that rows end at random, geometric lengths with a mean near half the maximum). Without the
 spread, the EOS id lies outside the vocabulary and every row runs the full length.
 
-The limit of a case: every decode step reads the weights once and each running row's written KV once, at the
-measured 4.3 TB/s, plus the prefill's matmuls at 790 TFLOP/s. tokens/s over the tokens/s that limit allows is the
-share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
+`--generations G` gives each prompt to G adjacent rows, as GRPO's groups do (default 1: every row its own prompt).
+
+The limit of a case: every decode step reads the weights once, each running row's written completion KV once and each
+running group's prompt KV once, at the measured 4.3 TB/s, plus the prefill's matmuls (one row per distinct prompt) at
+790 TFLOP/s. tokens/s over the tokens/s that limit allows is the share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
 
     python bench/bench_generation.py                            # GPU, the four cases
     python bench/bench_generation.py --cases 128x512 --hf       # also time model.generate on the first case
     python bench/bench_generation.py --shape gemma-3-1b         # sliding-window layers
+    python bench/bench_generation.py --generations 8 --shared-prompt-slots 0   # GRPO groups, prompt copied per row
     python bench/bench_generation.py --tiny                     # CPU smoke run
 Rows are appended to bench/results/bench_generation.jsonl (GPU runs).
 """
@@ -33,6 +36,7 @@ from bench import _harness as harness  # noqa: E402
 from bench.grpo_train_step import build_model  # noqa: E402
 from fastgrpo.integrations.generation import EmbeddedGenerator  # noqa: E402
 from fastgrpo.integrations.generation import adapters  # noqa: E402
+from fastgrpo.integrations.generation import engine as engine_module  # noqa: E402
 from fastgrpo.integrations.generation import sampling as sampling_module  # noqa: E402
 from fastgrpo.integrations.generation.adapters import MERGE_MODES  # noqa: E402
 
@@ -64,6 +68,9 @@ def parse_args(argv=None):
                    "default: as $FASTGRPO_FUSED_SAMPLING says)")
     p.add_argument("--join-qkv", type=int, default=1,
                    help="0: merged q, k and v decode as three GEMMs (adapters.JOIN_QKV off)")
+    p.add_argument("--generations", type=int, default=1, help="rows a prompt is given to (GRPO's group size)")
+    p.add_argument("--shared-prompt-slots", type=int, default=1,
+                   help="0: a group's rows each get a copy of its prompt's KV (engine.SHARED_PROMPT_SLOTS off)")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
@@ -105,20 +112,24 @@ def expert_banks(model) -> list[tuple[int, int, int, int]]:
     return banks
 
 
-def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token: int, state_per_row: int) -> float:
-    """Weights read once per decode step, each running row's KV once and its states read and written once, the
-    prefill's active parameters at the matmul rate. An expert bank counts the experts that `running` rows are
-    expected to pick (uniform routing: a share 1 - (1 - k/E)^running of its bytes) and, in the prefill, k/E of its
-    parameters."""
+def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token: int, state_per_row: int,
+                  generations: int = 1) -> float:
+    """Weights read once per decode step, each running row's completion KV once, each running group's (the
+    `generations` adjacent rows of one prompt) prompt KV once, each running row's states read and written once; the
+    prefill's active parameters at the matmul rate, once per distinct prompt. An expert bank counts the experts that
+    `running` rows are expected to pick (uniform routing: a share 1 - (1 - k/E)^running of its bytes) and, in the
+    prefill, k/E of its parameters."""
     banks = expert_banks(model)
     dense = model_bytes(model) - sum(bank[0] for bank in banks)
     active = sum(p.numel() for p in model.parameters()) - sum(n - n * k / e for _, n, e, k in banks)
     steps = max(rows_lengths)
-    seconds = 2 * active * len(rows_lengths) * prompt_len / MATMUL
+    seconds = 2 * active * -(-len(rows_lengths) // generations) * prompt_len / MATMUL
     for t in range(1, steps):
         running = sum(1 for n in rows_lengths if n > t)
+        groups = len({i // generations for i, n in enumerate(rows_lengths) if n > t})
         weights = dense + sum(size * (1 - (1 - k / e) ** running) for size, _, e, k in banks)
-        seconds += (weights + running * ((prompt_len + t) * kv_per_token + 2 * state_per_row)) / BANDWIDTH
+        kv = (groups * prompt_len + running * t) * kv_per_token
+        seconds += (weights + kv + running * 2 * state_per_row) / BANDWIDTH
     return seconds
 
 
@@ -147,6 +158,7 @@ def profile(generator, prompts, new_tokens: int, device: str) -> None:
 def main(argv=None):
     args = parse_args(argv)
     adapters.JOIN_QKV = bool(args.join_qkv)
+    engine_module.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
     if args.fused_sampling is not None:
         sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -167,7 +179,9 @@ def main(argv=None):
     for case in args.cases.split(","):
         spread = case == "spread"
         rows, new = (128, 1024) if spread and not args.tiny else (4, 16) if spread else map(int, case.split("x"))
-        prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(rows)]
+        distinct = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+                    for _ in range(-(-rows // args.generations))]
+        prompts = [distinct[i // args.generations] for i in range(rows)]
         head = decoder.get_output_embeddings()
         hook = None
         if spread:  # raise the EOS logit so rows end at random
@@ -200,11 +214,12 @@ def main(argv=None):
             hook.remove()
         seconds = statistics.median(times)
         tokens = sum(lengths)
-        limit = limit_seconds(decoder, lengths, args.prompt_len, *cache_bytes(decoder))
+        limit = limit_seconds(decoder, lengths, args.prompt_len, *cache_bytes(decoder), args.generations)
         row = dict(path="EmbeddedGenerator", backend=args.backend, backend_options=args.backend_options, shape=args.shape, rows=rows, new_tokens=new, spread=spread,
                    mean_length=tokens / rows, lora=bool(args.lora), merge_lora=args.merge_lora if args.lora else None,
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
-                   join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, seconds=seconds,
+                   join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
+                   shared_prompt_slots=bool(args.shared_prompt_slots), seconds=seconds,
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,
                    batches=sorted(generator.engine._buffers.batches) if generator.engine else None,
@@ -227,7 +242,7 @@ def main(argv=None):
             rows_out.append(row)
             harness.emit(row)
     print(f"\n{args.shape}, {dtype}, {device}, LoRA r={args.lora} (merge_lora={args.merge_lora}), prompt "
-          f"{args.prompt_len}\n")
+          f"{args.prompt_len}, {args.generations} rows a prompt (shared slots: {bool(args.shared_prompt_slots)})\n")
     print("| path | rows x new | mean length | first call s | s | tokens/s | limit tokens/s | share |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows_out:

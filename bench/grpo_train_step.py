@@ -58,6 +58,8 @@ def parse_args(argv=None):
                    help="fastgrpo: fastgrpo_generation_release_memory (free the generator's cache after each rollout)")
     p.add_argument("--join-qkv", type=int, default=1,
                    help="fastgrpo: 0 decodes merged q, k and v as three GEMMs (generation.adapters.JOIN_QKV off)")
+    p.add_argument("--shared-prompt-slots", type=int, default=1,
+                   help="fastgrpo: 0 copies a group's prompt KV into each of its rows (engine.SHARED_PROMPT_SLOTS off)")
     p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
                    "print its 25 costliest functions by own time and Dynamo's compile-phase times")
     args = p.parse_args(argv)
@@ -181,10 +183,11 @@ def run(args) -> dict:
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     if args.system == "fastgrpo":
-        from fastgrpo.integrations.generation import adapters
+        from fastgrpo.integrations.generation import adapters, engine
         from fastgrpo.integrations.trl import GRPOConfig, GRPOTrainer
 
         adapters.JOIN_QKV = bool(args.join_qkv)
+        engine.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
         config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation),
                             fastgrpo_generation_merge_lora=args.merge_lora,
                             fastgrpo_generation_release_memory=bool(args.release_memory))
@@ -214,6 +217,7 @@ def run(args) -> dict:
         beta=trainer.args.beta,
         merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
         join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
+        shared_prompt_slots=bool(args.shared_prompt_slots) if args.system == "fastgrpo" else None,
         release_memory=bool(args.release_memory) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         micro_batch=micro, layer_graphs=layer_graph_stats(trainer),

@@ -120,9 +120,14 @@ def test_num_generations_repeats_each_prompt_adjacently():
     assert out == [single[0]] * 3 + [single[1]] * 3
 
 
-def test_the_prefill_runs_each_distinct_prompt_once():
-    """GRPO's groups repeat a prompt: one prefill row per distinct prompt, its keys and values copied to the rows of
-    its completions, which then sample independently."""
+@pytest.mark.parametrize("shared_slots", [True, False])
+def test_the_prefill_runs_each_distinct_prompt_once(monkeypatch, shared_slots):
+    """GRPO's groups repeat a prompt: one prefill row per distinct prompt, whose keys and values the rows of its
+    completions read where the prefill wrote them (or, SHARED_PROMPT_SLOTS off, from copies); they sample
+    independently."""
+    from fastgrpo.integrations.generation import engine
+
+    monkeypatch.setattr(engine, "SHARED_PROMPT_SLOTS", shared_slots)
     model = tiny_lm("qwen2")
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=8)
     batch = prompts()[:3]
@@ -137,6 +142,9 @@ def test_the_prefill_runs_each_distinct_prompt_once():
     assert widths[0] == (3, max(PROMPT_LENGTHS[:3]))  # three prompt rows, not twelve
     assert greedy == [row for row in hf_greedy(model, batch, 8, eos=VOCAB + 1) for _ in range(4)]
     assert len({tuple(row) for row in sampled[:4]}) > 1  # the copies of one prompt sample apart
+    caches = [m._fastgrpo_kv[0] for m in model.modules() if "_fastgrpo_kv" in m.__dict__]
+    copied = [bool(cache[3:, :, : widths[0][1]].any()) for cache in caches]
+    assert caches and copied == [not shared_slots] * len(caches)  # rows past the prefill's hold no prompt copy
 
 
 def test_gradient_checkpointing_and_use_cache_off_are_handled():

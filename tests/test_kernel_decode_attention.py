@@ -1,5 +1,6 @@
 """fastgrpo::decode_attention against a float64 reference: ragged starts, compacted rows, GQA ratios, head dims,
-sliding windows, softcaps, sinks, dtypes and strides; the cache write; compiled and captured calls."""
+sliding windows, softcaps, sinks, prompt slots read from another row, dtypes and strides; the cache write; compiled
+and captured calls."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +12,8 @@ from fastgrpo.kernels.decode_attention import _triton_decode, decode_attention, 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def case(seed, b, hkv, group, d, slots, cache_rows, dtype, window, softcap, sinks, strided_q, device="cpu"):
+def case(seed, b, hkv, group, d, slots, cache_rows, dtype, window, softcap, sinks, strided_q, device="cpu",
+         shared=False):
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -25,6 +27,9 @@ def case(seed, b, hkv, group, d, slots, cache_rows, dtype, window, softcap, sink
         start=torch.randint(0, slots // 2, (cache_rows,), generator=g).to(device),
         length=torch.tensor(slots - int(torch.randint(0, slots // 4, (1,), generator=g)), device=device),
     )
+    if shared:  # prompt slots [0, prompt_len) read from other rows; the new slot lies after them
+        inputs["prompt_rows"] = torch.randint(0, cache_rows, (cache_rows,), generator=g).to(device)
+        inputs["prompt_len"] = torch.randint(0, int(inputs["length"]), (), generator=g).to(device)
     options = dict(scale=d ** -0.5, window=window, softcap=softcap,
                    sinks=torch.randn(hq, generator=g).to(device) if sinks else None)
     return inputs, options
@@ -58,15 +63,16 @@ shapes = st.tuples(
     st.integers(0, 2**16), st.integers(1, 4), st.integers(1, 3), st.sampled_from([1, 2, 4, 8]),
     st.sampled_from([16, 32, 64, 80, 128]), st.integers(8, 72), st.integers(0, 3),
     st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([None, 3, 16]),
-    st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4),
+    st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4), st.booleans(),
 )
 
 
 @settings(max_examples=25)
 @given(shapes)
 def test_triton_kernel_matches_the_float64_reference(params):
-    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits = params
-    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided)
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared = params
+    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
+                           shared=shared)
     with triton_on_cpu():
         run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1)))
 
@@ -74,8 +80,9 @@ def test_triton_kernel_matches_the_float64_reference(params):
 @settings(max_examples=25)
 @given(shapes)
 def test_torch_path_matches_the_float64_reference(params):
-    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, _ = params
-    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided)
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, _, shared = params
+    inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
+                           shared=shared)
     run(inputs, options, decode_attention)
 
 
@@ -124,6 +131,33 @@ def test_compiled_call_writes_the_real_cache_and_never_recompiles_for_a_new_leng
     torch.testing.assert_close(out, want)
 
 
+def test_rows_sharing_a_prompt_read_its_slots_from_the_row_holding_them():
+    """Rows 1-3 share row 0's prompt (slots [0, 12)): their own prompt slots are never read, so garbage there changes
+    nothing, while their written slots after the prompt are their own."""
+    inputs, options = case(5, 4, 2, 2, 32, 40, 4, torch.float32, None, None, False, False)
+    inputs["start"].zero_()
+    inputs["length"].fill_(30)
+    inputs["rows"] = torch.arange(4)
+    copied = {k: v.clone() for k, v in inputs.items()}
+    for cache in (copied["k_cache"], copied["v_cache"]):  # the private layout: each row a copy of the prompt
+        cache[1:, :, :12] = cache[0, :, :12]
+    for cache in (inputs["k_cache"], inputs["v_cache"]):
+        cache[1:, :, :12] = 1e4  # would dominate the softmax if read
+    shared = dict(prompt_rows=torch.zeros(4, dtype=torch.long), prompt_len=torch.tensor(12))
+    want = decode_attention(**copied, **options)
+    torch.testing.assert_close(decode_attention(**inputs, **shared, **options), want)
+    with triton_on_cpu():
+        torch.testing.assert_close(_triton_decode(**inputs, **shared, **options, splits=3), want)
+
+
+def test_prompt_rows_and_prompt_len_come_together():
+    inputs, options = case(0, 2, 1, 1, 16, 8, 2, torch.float32, None, None, False, False)
+    with pytest.raises(ValueError, match="together"):
+        decode_attention(**inputs, prompt_rows=torch.zeros(2, dtype=torch.long), **options)
+    with pytest.raises(ValueError, match="one per cache row"):
+        decode_attention(**inputs, prompt_rows=torch.zeros(3, dtype=torch.long), prompt_len=torch.tensor(2), **options)
+
+
 def test_no_backward():
     inputs, options = case(0, 1, 1, 1, 16, 8, 1, torch.float32, None, None, False, False)
     inputs["q"].requires_grad_(True)
@@ -132,11 +166,14 @@ def test_no_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "gemma3-1b"])
-def test_gpu_kernel_at_real_shapes(shape):
-    b, hkv, group, d, window, softcap = (128, 2, 6, 128, None, None) if shape == "qwen2.5-1.5b" else \
-        (64, 1, 4, 256, 512, 50.0)
-    inputs, options = case(0, b, hkv, group, d, 1024, b + 8, torch.bfloat16, window, softcap, False, False, "cuda")
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "gemma3-1b", "phi-3-mini"])
+def test_gpu_kernel_at_real_shapes(shape, shared):
+    b, hkv, group, d, window, softcap = {"qwen2.5-1.5b": (128, 2, 6, 128, None, None),
+                                         "gemma3-1b": (64, 1, 4, 256, 512, 50.0),
+                                         "phi-3-mini": (64, 32, 1, 96, 2047, None)}[shape]
+    inputs, options = case(0, b, hkv, group, d, 1024, b + 8, torch.bfloat16, window, softcap, False, False, "cuda",
+                           shared=shared)
     run(inputs, options, decode_attention)
 
 

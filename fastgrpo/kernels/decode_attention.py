@@ -1,6 +1,7 @@
 """Decode attention over the rollout engine's KV cache: one new query per row, grouped-query heads read once.
 
-`decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale=, window=, softcap=, sinks=)`:
+`decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale=, window=, softcap=, sinks=,
+prompt_rows=, prompt_len=)`:
 - q [b, Hq, D]: this step's query of each batch row; k_new, v_new [b, Hkv, D]: its key and value.
 - k_cache, v_cache [R, Hkv, L, D]: the cache; batch row i lives in cache row rows[i] (a compacted batch is a subset).
 - start [R]: a cache row's first valid slot (left padding); length (0-d device tensor): slots written once this
@@ -8,6 +9,10 @@
 - The op writes k_new / v_new at slot length - 1 of each batch row's cache row, then attends over the row's slots
   [start, length) - the last `window` of them for a sliding-window layer - with `softcap` (c * tanh(s / c), after
   the scale) and `sinks` (one logit per query head that joins the softmax's denominator and carries no value).
+- prompt_rows [R], prompt_len (0-d device tensor), both or neither: slots [0, prompt_len) of cache row r are read
+  from cache row prompt_rows[r] (rows that share a prompt keep one copy of its keys and values; their programs run
+  side by side, so that copy is read from HBM about once and from L2 by the others). The new slot must lie at or
+  after prompt_len.
 - Returns [b, Hq, D] in q's dtype; fp32 accumulation.
 
 `length` never becomes a Python int: the op is replayed in CUDA graphs with `length` advanced in place.
@@ -40,13 +45,13 @@ def _tanh(x):
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr,
+    q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr, prompt_rows_ptr, prompt_len_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
     sq0, sq1, skn0, skn1, svn0, svn1,
     sk0, sk1, sk2, sv0, sv1, sv2,
     scale, softcap,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr,
+    SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr, SHARED: tl.constexpr,
 ):  # fmt: skip
     # NATIVE: the dots take the half-precision inputs as they are (CUDA); else every value is fp32 and the dots run
     # in full fp32 (fp32 models, and the interpreter, whose half-precision arithmetic is wrong).
@@ -84,14 +89,22 @@ def _decode_partial_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    k_base = k_ptr + row * sk0 + h * sk1
-    v_base = v_ptr + row * sv0 + h * sv1
+    if SHARED:
+        prompt_row = tl.load(prompt_rows_ptr + row).to(tl.int64)
+        prompt_len = tl.load(prompt_len_ptr).to(tl.int32)
     for block in range(s_lo, s_hi, BLOCK_N):
         n = block + tl.arange(0, BLOCK_N)
         n_ok = n < s_hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None].to(tl.int64) * sk2 + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * sv2 + d[None, :], mask=kv_mask, other=0.0)
+        if SHARED:  # each slot's cache row: the prompt's for prompt slots, the row's own after them
+            source = tl.where(n < prompt_len, prompt_row, row)[:, None]
+            k_at = k_ptr + source * sk0 + h * sk1 + n[:, None].to(tl.int64) * sk2
+            v_at = v_ptr + source * sv0 + h * sv1 + n[:, None].to(tl.int64) * sv2
+        else:
+            k_at = k_ptr + row * sk0 + h * sk1 + n[:, None].to(tl.int64) * sk2
+            v_at = v_ptr + row * sv0 + h * sv1 + n[:, None].to(tl.int64) * sv2
+        k = tl.load(k_at + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_at + d[None, :], mask=kv_mask, other=0.0)
         if not NATIVE:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -150,7 +163,8 @@ def _splits(batch: int, kv_heads: int, slots: int, block_n: int, device: torch.d
     return max(1, min(want, cdiv(slots, block_n), _MAX_SPLITS))
 
 
-def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks, splits=None):
+def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks,
+                   prompt_rows=None, prompt_len=None, splits=None):
     b, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -163,12 +177,14 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
     part_l = torch.empty_like(part_m)
     cuda = launch_like_cuda(q)
     _decode_partial_kernel[(b, hkv, splits)](
-        q, k_new, v_new, k_cache, v_cache, rows, start, length, part_o, part_m, part_l,
+        q, k_new, v_new, k_cache, v_cache, rows, start, length,
+        rows if prompt_rows is None else prompt_rows, length if prompt_len is None else prompt_len, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale), float(softcap or 0.0),
         G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
-        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=cuda and k_cache.dtype != torch.float32, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=cuda and k_cache.dtype != torch.float32,
+        SHARED=prompt_rows is not None, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )  # fmt: skip
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(b, hq)](
@@ -180,7 +196,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
 
 
 def reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window=None,
-                               softcap=None, sinks=None):
+                               softcap=None, sinks=None, prompt_rows=None, prompt_len=None):
     """The op in plain torch (fp32 maths): writes the new slot, then attends over the gathered rows."""
     b, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
@@ -188,6 +204,11 @@ def reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, l
     k_cache[rows, :, last] = k_new.to(k_cache.dtype)
     v_cache[rows, :, last] = v_new.to(v_cache.dtype)
     keys, values = k_cache[rows].float(), v_cache[rows].float()
+    if prompt_rows is not None:
+        from_prompt = (torch.arange(slots, device=q.device) < prompt_len)[None, None, :, None]
+        source = prompt_rows[rows]
+        keys = torch.where(from_prompt, k_cache[source].float(), keys)
+        values = torch.where(from_prompt, v_cache[source].float(), values)
     group = hq // hkv
     scores = torch.einsum("bhgd,bhld->bhgl", q.float().reshape(b, hkv, group, d), keys) * scale
     if softcap:
@@ -208,20 +229,22 @@ def reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, l
 @torch.library.custom_op("fastgrpo::decode_attention", mutates_args=("k_cache", "v_cache"))
 def _decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
-                         scale: float, window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+                         scale: float, window: int, softcap: float, sinks: torch.Tensor | None,
+                         prompt_rows: torch.Tensor | None, prompt_len: torch.Tensor | None) -> torch.Tensor:
     if use_triton(q):
-        return _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks)
+        return _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks,
+                              prompt_rows, prompt_len)
     return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap,
-                                      sinks)
+                                      sinks, prompt_rows, prompt_len)
 
 
 @_decode_attention_op.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks):
+def _(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks, prompt_rows, prompt_len):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, scale, window=None, softcap=None,
-                     sinks=None) -> torch.Tensor:
+                     sinks=None, prompt_rows=None, prompt_len=None) -> torch.Tensor:
     """See the module docstring. `window` None or 0: no window; `softcap` None or 0: none. For sampling only: no
     autograd (it mutates the cache), so a call with grad-requiring inputs is refused."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_new, v_new, sinks)):
@@ -231,5 +254,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, 
     if q.shape[-1] != k_cache.shape[-1] or k_new.shape != (q.shape[0], k_cache.shape[1], q.shape[-1]):
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, cache "
                          f"{tuple(k_cache.shape)}")
+    if (prompt_rows is None) != (prompt_len is None):
+        raise ValueError("give prompt_rows and prompt_len together (the prompt slots and the rows holding them)")
+    if prompt_rows is not None and (prompt_rows.shape != (k_cache.shape[0],) or prompt_len.dim() != 0):
+        raise ValueError(f"prompt_rows must be [{k_cache.shape[0]}] (one per cache row) and prompt_len 0-d; got "
+                         f"{tuple(prompt_rows.shape)} and {tuple(prompt_len.shape)}")
     return _decode_attention_op(q, k_new, v_new, k_cache, v_cache, rows, start, length, float(scale),
-                                int(window or 0), float(softcap or 0.0), sinks)
+                                int(window or 0), float(softcap or 0.0), sinks, prompt_rows, prompt_len)

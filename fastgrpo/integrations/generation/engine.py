@@ -46,6 +46,11 @@ from fastgrpo.integrations.generation.sampling import Sampling, sample
 from fastgrpo.kernels._graphs import capturing
 
 
+# Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`); False copies
+# them into every row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
+SHARED_PROMPT_SLOTS = True
+
+
 class RecompileStorm(RuntimeError):
     """The compiled decode layer kept compiling: some value that changes per token reaches its guards."""
 
@@ -177,8 +182,7 @@ class _Buffers:
 
     rows: int
     slots: int
-    state: RolloutState  # start [rows], length (0-d): slots written
-    prompt_len: torch.Tensor  # 0-d: the padded prompt length (slot of completion token 0)
+    state: RolloutState  # start [rows], length (0-d): slots written, prompt_rows [rows], prompt_len (0-d)
     last: torch.Tensor  # [rows] the token each row feeds next
     finished: torch.Tensor  # [rows] bool
     completion: torch.Tensor  # [rows, max_new_tokens]
@@ -258,9 +262,10 @@ class RolloutEngine:
             self._decoder = decoder
             long = dict(dtype=torch.long, device=device)
             state = RolloutState(rows=torch.arange(rows, device=device), start=torch.zeros(rows, **long),
-                                 length=torch.zeros((), **long), cache_rows=rows, slots=slots)
+                                 length=torch.zeros((), **long), prompt_rows=torch.arange(rows, device=device),
+                                 prompt_len=torch.zeros((), **long), cache_rows=rows, slots=slots)
             b = _Buffers(
-                rows=rows, slots=slots, state=state, prompt_len=torch.zeros((), **long),
+                rows=rows, slots=slots, state=state,
                 last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
                 completion=torch.zeros(rows, self.max_new_tokens, **long),
                 logprobs=torch.zeros(rows, self.max_new_tokens, device=device),
@@ -352,7 +357,7 @@ class RolloutEngine:
         input_ids, start = input_ids.to(device), start.to(device)
         state.start.zero_()[:batch] = start
         state.length.fill_(prompt_len)
-        b.prompt_len.fill_(prompt_len)
+        state.prompt_len.fill_(prompt_len)
         b.finished.fill_(True)
         b.completion.fill_(self.pad_token_id)
         b.logprobs.zero_()
@@ -364,15 +369,19 @@ class RolloutEngine:
             self._probe_rows = longest if start.max() == start.min() else torch.cat([longest, shortest])
             self._probe_starts = start[self._probe_rows].tolist()
 
-        # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once and its keys and
-        # values are copied to the rows of its completions.
+        # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once, into cache rows
+        # [0, distinct); the rows of its completions read its slots there (or get a copy: SHARED_PROMPT_SLOTS).
         distinct = {}
         source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
         firsts = torch.tensor([prompts.index(list(p)) for p in distinct], device=device)
         with self._decoding(decoder, state):
             logits = self._prefill(decoder, input_ids[firsts], start[firsts], b, len(distinct))[source]
+            state.prompt_rows.copy_(torch.arange(b.rows, device=device))
             if len(distinct) < batch:
-                _spread_prompt_rows(decoder, source, prompt_len)
+                if SHARED_PROMPT_SLOTS:
+                    state.prompt_rows[:batch] = source
+                else:
+                    _spread_prompt_rows(decoder, source, prompt_len)
                 for states in self._states:
                     states.spread(source)
             for states in self._states:
@@ -481,7 +490,7 @@ class RolloutEngine:
         sample_step = self._sample if rows.shape[0] >= COMPILED_SAMPLING_ROWS else sample
         tokens, logprobs = sample_step(logits, sampling, seen)
         tokens = tokens.masked_fill(done, self.pad_token_id)
-        column = (state.length - b.prompt_len).expand(rows.shape[0])
+        column = (state.length - state.prompt_len).expand(rows.shape[0])
         b.last[rows] = tokens
         b.completion[rows, column] = tokens
         b.logprobs[rows, column] = logprobs.masked_fill(done, 0.0)

@@ -16,6 +16,8 @@ scaling=..., sliding_window=..., softcap=..., s_aux=..., **kwargs)`) decodes on 
   the captured decode step. A compiled layer reads it as an input; its `rows` tensor differs per batch size.
 
 Slots: a row's prompt fills slots [start, prompt_len) (left-padded), its completion token t slot prompt_len + t.
+Rows that share a prompt (GRPO's group) read its slots from the one cache row the prefill wrote them to
+(`prompt_rows`): the decode attention reads a group's prompt once from memory, not once per row.
 The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
 """
 from __future__ import annotations
@@ -44,6 +46,8 @@ class RolloutState:
     rows: torch.Tensor  # [batch] int64: the cache row each batch row reads and writes
     start: torch.Tensor  # [cache rows] int64: first valid slot of each cache row
     length: torch.Tensor  # 0-d int64: slots written so far, this step's token included
+    prompt_rows: torch.Tensor  # [cache rows] int64: the cache row holding each row's prompt slots
+    prompt_len: torch.Tensor  # 0-d int64: the padded prompt length (prompt slots are [0, prompt_len))
     cache_rows: int  # rows of the cache tensors to allocate at the prefill
     slots: int  # slots of the cache tensors to allocate at the prefill
     prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
@@ -153,7 +157,8 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
         k_cache, v_cache = module.__dict__[_KV_ATTRIBUTE]
         out = decode_attention(
             query[:, :, 0], key[:, :, 0], value[:, :, 0], k_cache, v_cache, state.rows, state.start, state.length,
-            scale=scale, window=window, softcap=softcap, sinks=s_aux,
+            scale=scale, window=window, softcap=softcap, sinks=s_aux, prompt_rows=state.prompt_rows,
+            prompt_len=state.prompt_len,
         )
         return out[:, None], None
     state.prefill_calls += 1
