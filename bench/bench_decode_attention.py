@@ -1,7 +1,8 @@
 """fastgrpo::decode_attention against SDPA over the whole static cache (what transformers' StaticCache decode runs,
 the grouped heads expanded) and against the bytes floor (each row's written KV read once at 4.3 TB/s). CUDA graphs.
-Also the op with GRPO's groups of 8 rows sharing a prompt of half the slots (`prompt_rows`: the group's prompt KV held
-once) against its floor (each group's prompt KV and each row's own KV read once).
+Also the op with GRPO's groups of 8 rows sharing a prompt of half the slots (`prompt_rows`, `prompt_groups`: the
+group's prompt KV held once and attended once a step) against its floor (each group's prompt KV and each row's own KV
+read once).
 
     python bench/bench_decode_attention.py        # GPU; rows appended to bench/results/bench_decode_attention.jsonl
 """
@@ -53,9 +54,11 @@ def main():
                 floor = 1e3 * b * hkv * seen * d * 2 * 2 / BANDWIDTH
                 prompt_len = torch.tensor(slots // 2, device=dev)
                 prompt_rows = torch.arange(b, device=dev) // GROUP * GROUP
+                groups = torch.full((b, GROUP), -1, dtype=torch.long, device=dev)  # as the engine lists them
+                groups[: b // GROUP] = torch.arange(b, device=dev).view(-1, GROUP)
                 shared = graph_ms(lambda: decode_attention(q, kn, vn, kc, vc, rows, start, length, scale=d ** -0.5,
                                                            window=window, prompt_rows=prompt_rows,
-                                                           prompt_len=prompt_len))
+                                                           prompt_len=prompt_len, prompt_groups=groups))
                 lo = int(length) - seen  # the first slot a row sees
                 prompt_seen, own_seen = max(0, slots // 2 - lo), seen - max(0, slots // 2 - lo)
                 shared_floor = 1e3 * (-(-b // GROUP) * prompt_seen + b * own_seen) * hkv * d * 2 * 2 / BANDWIDTH

@@ -147,6 +147,29 @@ def test_the_prefill_runs_each_distinct_prompt_once(monkeypatch, shared_slots):
     assert caches and copied == [not shared_slots] * len(caches)  # rows past the prefill's hold no prompt copy
 
 
+def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(monkeypatch):
+    """The Triton decode attention (Triton's interpreter) over rows sharing prompts attends each group's one prompt
+    copy once (its prompt kernel), also after finished rows drop out and the groups are listed again: greedy tokens
+    as model.generate's."""
+    from fastgrpo.kernels import decode_attention
+    from fastgrpo.kernels._dispatch import triton_on_cpu
+
+    grouped = []
+    kernel = decode_attention._triton_decode
+    monkeypatch.setattr(decode_attention, "_triton_decode", lambda *a, **kw: grouped.append(
+        a[14] is not None) or kernel(*a, **kw))
+    model = tiny_lm("qwen2")
+    batch = [prompts()[0]] * 12 + prompts()[1:]  # 12 rows end early, 3 run on
+    eos = hf_greedy(model, batch, 10, eos=VOCAB + 1)[0][3]
+    expected = hf_greedy(model, batch, 10, eos=eos)
+    generator = EmbeddedGenerator(model, PAD, [eos], max_new_tokens=10, min_batch=1, check_finished_every=2,
+                                  compile=False)
+    with triton_on_cpu():
+        assert generator.generate(batch, temperature=0) == expected
+    assert grouped and all(grouped)
+    assert sorted(generator.engine._buffers.batches) == [4, 15]
+
+
 def test_gradient_checkpointing_and_use_cache_off_are_handled():
     model = tiny_lm("qwen2")
     expected = hf_greedy(model, prompts(), 12, eos=VOCAB + 1)

@@ -7,7 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.kernels._dispatch import triton_on_cpu
-from fastgrpo.kernels.decode_attention import _triton_decode, decode_attention, reference_decode_attention
+from fastgrpo.kernels.decode_attention import (
+    PROMPT_GROUP_ROWS,
+    _triton_decode,
+    decode_attention,
+    reference_decode_attention,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -30,14 +35,33 @@ def case(seed, b, hkv, group, d, slots, cache_rows, dtype, window, softcap, sink
     if shared:  # prompt slots [0, prompt_len) read from other rows; the new slot lies after them
         inputs["prompt_rows"] = torch.randint(0, cache_rows, (cache_rows,), generator=g).to(device)
         inputs["prompt_len"] = torch.randint(0, int(inputs["length"]), (), generator=g).to(device)
+    if shared == "groups":  # rows of one prompt row share its start; entries list them, in random order
+        inputs["start"] = inputs["start"][inputs["prompt_rows"]]
+        inputs["prompt_groups"] = prompt_groups(inputs["prompt_rows"][inputs["rows"]].tolist(), g).to(device)
     options = dict(scale=d ** -0.5, window=window, softcap=softcap,
                    sinks=torch.randn(hq, generator=g).to(device) if sinks else None)
     return inputs, options
 
 
+def prompt_groups(keys: list[int], g: torch.Generator) -> torch.Tensor:
+    """Batch rows grouped by their prompt row (`keys`), PROMPT_GROUP_ROWS at most an entry, entries shuffled, and
+    empty entries added (-1)."""
+    by_key = {}
+    for position, key in enumerate(keys):
+        by_key.setdefault(key, []).append(position)
+    entries = [members[i:i + PROMPT_GROUP_ROWS] for members in by_key.values()
+               for i in range(0, len(members), PROMPT_GROUP_ROWS)]
+    entries += [[]] * int(torch.randint(0, 3, (1,), generator=g))
+    table = torch.full((len(entries), PROMPT_GROUP_ROWS), -1, dtype=torch.long)
+    for e, i in enumerate(torch.randperm(len(entries), generator=g).tolist()):
+        table[e, : len(entries[i])] = torch.tensor(entries[i], dtype=torch.long)
+    return table
+
+
 def expected(inputs, options):
     """The float64 reference on copies (it writes the cache too)."""
-    double = {k: (v.double() if v.is_floating_point() else v).cpu().clone() for k, v in inputs.items()}
+    double = {k: (v.double() if v.is_floating_point() else v).cpu().clone() for k, v in inputs.items()
+              if k != "prompt_groups"}  # how the kernel reads, not the maths
     sinks = options["sinks"] if options["sinks"] is None else options["sinks"].cpu()
     out = reference_decode_attention(**double, scale=options["scale"], window=options["window"],
                                      softcap=options["softcap"], sinks=None if sinks is None else sinks.double())
@@ -63,7 +87,8 @@ shapes = st.tuples(
     st.integers(0, 2**16), st.integers(1, 4), st.integers(1, 3), st.sampled_from([1, 2, 4, 8]),
     st.sampled_from([16, 32, 64, 80, 128]), st.integers(8, 72), st.integers(0, 3),
     st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([None, 3, 16]),
-    st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4), st.booleans(),
+    st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4),
+    st.sampled_from([None, "rows", "groups"]),
 )
 
 
@@ -74,7 +99,8 @@ def test_triton_kernel_matches_the_float64_reference(params):
     inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
                            shared=shared)
     with triton_on_cpu():
-        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1)))
+        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1),
+                                                         prompt_splits=splits if shared == "groups" else None))
 
 
 @settings(max_examples=25)
@@ -146,8 +172,17 @@ def test_rows_sharing_a_prompt_read_its_slots_from_the_row_holding_them():
     shared = dict(prompt_rows=torch.zeros(4, dtype=torch.long), prompt_len=torch.tensor(12))
     want = decode_attention(**copied, **options)
     torch.testing.assert_close(decode_attention(**inputs, **shared, **options), want)
+    groups = torch.tensor([[2, 0, 3, 1] + [-1] * (PROMPT_GROUP_ROWS - 4), [-1] * PROMPT_GROUP_ROWS])
     with triton_on_cpu():
         torch.testing.assert_close(_triton_decode(**inputs, **shared, **options, splits=3), want)
+        torch.testing.assert_close(_triton_decode(**inputs, **shared, **options, prompt_groups=groups), want)
+
+
+def test_many_heads_a_group_split_an_entry_into_chunks():
+    """16 query heads a KV head: 4 rows of an entry per prompt program (64 dot rows), two programs an entry."""
+    inputs, options = case(6, 8, 1, 16, 16, 40, 8, torch.float32, None, 20.0, True, False, shared="groups")
+    with triton_on_cpu():
+        run(inputs, options, lambda **kw: _triton_decode(**kw, splits=2, prompt_splits=2))
 
 
 def test_prompt_rows_and_prompt_len_come_together():
@@ -156,6 +191,9 @@ def test_prompt_rows_and_prompt_len_come_together():
         decode_attention(**inputs, prompt_rows=torch.zeros(2, dtype=torch.long), **options)
     with pytest.raises(ValueError, match="one per cache row"):
         decode_attention(**inputs, prompt_rows=torch.zeros(3, dtype=torch.long), prompt_len=torch.tensor(2), **options)
+    with pytest.raises(ValueError, match="prompt_groups must be"):
+        decode_attention(**inputs, prompt_rows=torch.zeros(2, dtype=torch.long), prompt_len=torch.tensor(2),
+                         prompt_groups=torch.zeros(2, 3, dtype=torch.long), **options)
 
 
 def test_no_backward():
@@ -166,7 +204,7 @@ def test_no_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [None, "rows", "groups"])
 @pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "gemma3-1b", "phi-3-mini"])
 def test_gpu_kernel_at_real_shapes(shape, shared):
     b, hkv, group, d, window, softcap = {"qwen2.5-1.5b": (128, 2, 6, 128, None, None),

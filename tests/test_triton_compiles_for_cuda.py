@@ -206,11 +206,15 @@ def _run_every_op():
     # dims 64, 80 (padded), 128 and 256, with and without window, softcap and sinks, and prompt slots read from
     # another row (GRPO's groups sharing one copy of their prompt).
     shared = dict(prompt_rows=torch.zeros(201, dtype=torch.int64), prompt_len=torch.tensor(64))
+    grouped = dict(shared, prompt_groups=torch.full((200, 8), -1, dtype=torch.int64))
     for dtype, batch, kv_heads, group, head_dim, slots, options in (
             (torch.bfloat16, 2, 1, 8, 128, 256, dict(window=64, softcap=50.0, sinks=torch.zeros(8))),
             (torch.bfloat16, 200, 2, 6, 128, 256, {}),
             (torch.bfloat16, 200, 2, 6, 128, 256, shared),
-            (torch.bfloat16, 200, 32, 1, 96, 256, dict(window=100, **shared)),
+            (torch.bfloat16, 200, 2, 6, 128, 256, grouped),
+            (torch.bfloat16, 200, 32, 1, 96, 256, dict(window=100, **grouped)),
+            (torch.bfloat16, 200, 1, 4, 256, 64, dict(window=32, softcap=30.0, **grouped)),
+            (torch.float32, 200, 2, 16, 64, 128, dict(sinks=torch.zeros(32), **grouped)),
             (torch.bfloat16, 200, 1, 4, 256, 64, dict(window=32, softcap=30.0)),
             (torch.float16, 4, 2, 2, 64, 512, dict(sinks=torch.zeros(4))),
             (torch.float32, 2, 2, 2, 80, 128, dict(softcap=20.0))):

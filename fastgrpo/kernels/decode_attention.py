@@ -10,9 +10,12 @@ prompt_rows=, prompt_len=)`:
   [start, length) - the last `window` of them for a sliding-window layer - with `softcap` (c * tanh(s / c), after
   the scale) and `sinks` (one logit per query head that joins the softmax's denominator and carries no value).
 - prompt_rows [R], prompt_len (0-d device tensor), both or neither: slots [0, prompt_len) of cache row r are read
-  from cache row prompt_rows[r] (rows that share a prompt keep one copy of its keys and values; their programs run
-  side by side, so that copy is read from HBM about once and from L2 by the others). The new slot must lie at or
-  after prompt_len.
+  from cache row prompt_rows[r] (rows that share a prompt keep one copy of its keys and values). The new slot must
+  lie at or after prompt_len.
+- prompt_groups [N, PROMPT_GROUP_ROWS] (with prompt_rows): batch rows listed by the prompt they share, -1 after the
+  last of an entry; every batch row in exactly one entry, an entry's rows of one prompt row and one start. The
+  prompt slots are then attended once per entry for all its rows' queries: each prompt key and value is read once
+  for the entry, not once per row.
 - Returns [b, Hq, D] in q's dtype; fp32 accumulation.
 
 `length` never becomes a Python int: the op is replayed in CUDA graphs with `length` advanced in place.
@@ -23,6 +26,10 @@ walks its share of the valid slots in blocks with an online softmax and writes a
 kernel combines the splits and the sinks. The new slot's key and value are read from k_new / v_new (so no program
 depends on another's store); split 0 stores them in the cache. The split count comes from static facts only (batch,
 KV heads, cache length, SMs), never from `length`.
+With prompt_groups ("cascade" decoding) a prompt kernel runs first: grid (entry chunk, KV head, split), each program
+holding the queries of up to PROMPT_GROUP_ROWS rows x G heads as the rows of its dots (at most 64), walking the
+shared prompt slots; the row kernel then walks each row's own slots from prompt_len on, and the combine merges both
+kernels' partials.
 The torch path (CPU, and the tests' reference) does the same maths on gathered rows.
 """
 from __future__ import annotations
@@ -36,6 +43,8 @@ from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_co
 # Programs per SM the splits aim at (one wave of short programs hides the reduction's launch).
 _PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
+PROMPT_GROUP_ROWS = 8  # width of a prompt_groups entry (GRPO's common group size; larger groups take two entries)
+_PROMPT_DOT_ROWS = 64  # rows x heads a prompt program holds at most (its queries, accumulator and scores)
 
 
 @triton.jit
@@ -52,7 +61,10 @@ def _decode_partial_kernel(
     scale, softcap,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr, SHARED: tl.constexpr,
+    OWN_ONLY: tl.constexpr, PART_SPLITS: tl.constexpr, PART_BASE: tl.constexpr,
 ):  # fmt: skip
+    # OWN_ONLY: the prompt kernel took slots [0, prompt_len); this one walks the rest. Partials go to splits
+    # [PART_BASE, PART_BASE + SPLITS) of PART_SPLITS.
     # NATIVE: the dots take the half-precision inputs as they are (CUDA); else every value is fp32 and the dots run
     # in full fp32 (fp32 models, and the interpreter, whose half-precision arithmetic is wrong).
     i = tl.program_id(0)
@@ -64,6 +76,8 @@ def _decode_partial_kernel(
     lo = tl.load(start_ptr + row).to(tl.int32)
     if WINDOW > 0:
         lo = tl.maximum(lo, length - WINDOW)
+    if OWN_ONLY:
+        lo = tl.maximum(lo, tl.load(prompt_len_ptr).to(tl.int32))
     per_split = tl.cdiv(tl.cdiv(length - lo, SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + s * per_split
     s_hi = tl.minimum(s_lo + per_split, length)
@@ -128,10 +142,82 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
 
-    out = (i * (G * tl.num_programs(1)) + heads) * SPLITS + s
+    out = (i * (G * tl.num_programs(1)) + heads) * PART_SPLITS + PART_BASE + s
     tl.store(part_m_ptr + out, m, mask=g_ok)
     tl.store(part_l_ptr + out, l, mask=g_ok)
     tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_prompt_kernel(
+    q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr, prompt_rows_ptr, prompt_len_ptr, groups_ptr,
+    part_o_ptr, part_m_ptr, part_l_ptr,
+    sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, scale, softcap,
+    G: tl.constexpr, MEMBERS: tl.constexpr, WIDTH: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr,
+):  # fmt: skip
+    # Program (chunk e of a prompt_groups entry, KV head h, split s): MEMBERS rows of the entry x G heads as the rows
+    # of the dots, over the entry's prompt slots [start, prompt_len) (the last WINDOW of the row's slots).
+    e = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    entry_at = groups_ptr + (e // (WIDTH // MEMBERS)) * WIDTH + (e % (WIDTH // MEMBERS)) * MEMBERS
+    j = tl.arange(0, M_PAD)
+    member_ok = j < MEMBERS * G
+    position = tl.load(entry_at + j // G, mask=member_ok, other=-1).to(tl.int64)
+    valid = member_ok & (position >= 0)
+    first = tl.load(entry_at).to(tl.int64)
+    row = tl.load(rows_ptr + tl.maximum(first, 0)).to(tl.int64)
+    prompt_row = tl.load(prompt_rows_ptr + row).to(tl.int64)
+    length = tl.load(length_ptr).to(tl.int32)
+    lo = tl.load(start_ptr + row).to(tl.int32)
+    if WINDOW > 0:
+        lo = tl.maximum(lo, length - WINDOW)
+    hi = tl.minimum(tl.load(prompt_len_ptr).to(tl.int32), length)
+    hi = tl.where(first >= 0, hi, lo)  # an empty entry walks nothing
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + s * per_split
+    s_hi = tl.minimum(s_lo + per_split, hi)
+
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    heads = h * G + j % G
+    q = tl.load(q_ptr + tl.maximum(position, 0)[:, None] * sq0 + heads[:, None] * sq1 + d[None, :],
+                mask=valid[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty) if NATIVE else q.to(tl.float32)
+    m = tl.full([M_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([M_PAD], tl.float32)
+    acc = tl.zeros([M_PAD, D_PAD], tl.float32)
+    k_base = k_ptr + prompt_row * sk0 + h * sk1
+    v_base = v_ptr + prompt_row * sv0 + h * sv1
+    for block in range(s_lo, s_hi, BLOCK_N):
+        n = block + tl.arange(0, BLOCK_N)
+        n_ok = n < s_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None].to(tl.int64) * sk2 + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * sv2 + d[None, :], mask=kv_mask, other=0.0)
+        if NATIVE:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        else:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        if SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # every block holds a visible slot: finite
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        if NATIVE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m = m_new
+
+    out = (position * (G * tl.num_programs(1)) + heads) * PART_SPLITS + s
+    tl.store(part_m_ptr + out, m, mask=valid)
+    tl.store(part_l_ptr + out, l, mask=valid)
+    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=valid[:, None])
 
 
 @triton.jit
@@ -163,8 +249,17 @@ def _splits(batch: int, kv_heads: int, slots: int, block_n: int, device: torch.d
     return max(1, min(want, cdiv(slots, block_n), _MAX_SPLITS))
 
 
+def _prompt_members(group: int) -> int:
+    """Rows of a prompt_groups entry one prompt program holds: the largest power of two that divides the entry and
+    keeps rows x heads within _PROMPT_DOT_ROWS."""
+    members = PROMPT_GROUP_ROWS
+    while members > 1 and members * group > _PROMPT_DOT_ROWS:
+        members //= 2
+    return members
+
+
 def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks,
-                   prompt_rows=None, prompt_len=None, splits=None):
+                   prompt_rows=None, prompt_len=None, prompt_groups=None, splits=None, prompt_splits=None):
     b, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -172,24 +267,43 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
     block_n = 64 if d_pad <= 128 else 32
     if splits is None:
         splits = _splits(b, hkv, slots, block_n, q.device)
-    part_o = torch.empty(b, hq, splits, d_pad, device=q.device, dtype=torch.float32)
-    part_m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
     cuda = launch_like_cuda(q)
+    native = cuda and k_cache.dtype != torch.float32
+    members = _prompt_members(group)
+    chunks = prompt_groups.shape[0] * (PROMPT_GROUP_ROWS // members) if prompt_groups is not None else 0
+    if prompt_groups is not None and prompt_splits is None:  # as many programs as the rows' kernel, by static facts
+        prompt_splits = _splits(max(1, b // members), hkv, slots, block_n, q.device)
+    base = prompt_splits if prompt_groups is not None else 0
+    total = base + splits
+    part_o = torch.empty(b, hq, total, d_pad, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(b, hq, total, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    if prompt_groups is not None:
+        m_pad = max(16, next_power_of_2(members * group))
+        _decode_prompt_kernel[(chunks, hkv, prompt_splits)](
+            q, k_cache, v_cache, rows, start, length, prompt_rows, prompt_len, prompt_groups, part_o, part_m, part_l,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+            v_cache.stride(1), v_cache.stride(2), float(scale), float(softcap or 0.0),
+            G=group, MEMBERS=members, WIDTH=PROMPT_GROUP_ROWS, M_PAD=m_pad, D=d, D_PAD=d_pad, BLOCK_N=block_n,
+            SPLITS=prompt_splits, PART_SPLITS=total, WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
+            num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+        )  # fmt: skip
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, rows, start, length,
-        rows if prompt_rows is None else prompt_rows, length if prompt_len is None else prompt_len, part_o, part_m, part_l,
+        rows if prompt_rows is None else prompt_rows, length if prompt_len is None else prompt_len,
+        part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale), float(softcap or 0.0),
         G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
-        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=cuda and k_cache.dtype != torch.float32,
-        SHARED=prompt_rows is not None, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+        WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
+        SHARED=prompt_rows is not None and prompt_groups is None, OWN_ONLY=prompt_groups is not None,
+        PART_SPLITS=total, PART_BASE=base, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )  # fmt: skip
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(b, hq)](
         part_o, part_m, part_l, sinks if sinks is not None else part_m, out, out.stride(0), out.stride(1), hq,
-        D=d, D_PAD=d_pad, SPLITS=splits, SPLITS_PAD=max(2, next_power_of_2(splits)), SINKS=sinks is not None,
+        D=d, D_PAD=d_pad, SPLITS=total, SPLITS_PAD=max(2, next_power_of_2(total)), SINKS=sinks is not None,
         num_warps=1,
     )  # fmt: skip
     return out
@@ -230,21 +344,23 @@ def reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, l
 def _decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
                          scale: float, window: int, softcap: float, sinks: torch.Tensor | None,
-                         prompt_rows: torch.Tensor | None, prompt_len: torch.Tensor | None) -> torch.Tensor:
+                         prompt_rows: torch.Tensor | None, prompt_len: torch.Tensor | None,
+                         prompt_groups: torch.Tensor | None) -> torch.Tensor:
     if use_triton(q):
         return _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks,
-                              prompt_rows, prompt_len)
+                              prompt_rows, prompt_len, prompt_groups)
     return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap,
                                       sinks, prompt_rows, prompt_len)
 
 
 @_decode_attention_op.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks, prompt_rows, prompt_len):
+def _(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks, prompt_rows, prompt_len,
+      prompt_groups):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, scale, window=None, softcap=None,
-                     sinks=None, prompt_rows=None, prompt_len=None) -> torch.Tensor:
+                     sinks=None, prompt_rows=None, prompt_len=None, prompt_groups=None) -> torch.Tensor:
     """See the module docstring. `window` None or 0: no window; `softcap` None or 0: none. For sampling only: no
     autograd (it mutates the cache), so a call with grad-requiring inputs is refused."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_new, v_new, sinks)):
@@ -259,5 +375,9 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, 
     if prompt_rows is not None and (prompt_rows.shape != (k_cache.shape[0],) or prompt_len.dim() != 0):
         raise ValueError(f"prompt_rows must be [{k_cache.shape[0]}] (one per cache row) and prompt_len 0-d; got "
                          f"{tuple(prompt_rows.shape)} and {tuple(prompt_len.shape)}")
+    if prompt_groups is not None and (prompt_rows is None or prompt_groups.dim() != 2
+                                      or prompt_groups.shape[1] != PROMPT_GROUP_ROWS):
+        raise ValueError(f"prompt_groups must be [entries, {PROMPT_GROUP_ROWS}] batch rows, with prompt_rows; got "
+                         f"{tuple(prompt_groups.shape)}")
     return _decode_attention_op(q, k_new, v_new, k_cache, v_cache, rows, start, length, float(scale),
-                                int(window or 0), float(softcap or 0.0), sinks, prompt_rows, prompt_len)
+                                int(window or 0), float(softcap or 0.0), sinks, prompt_rows, prompt_len, prompt_groups)

@@ -44,10 +44,12 @@ from fastgrpo.integrations.generation.recurrent import has_states, own_states, r
 from fastgrpo.integrations.generation.rotary import RotaryTables, check_length
 from fastgrpo.integrations.generation.sampling import Sampling, sample
 from fastgrpo.kernels._graphs import capturing
+from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS
 
 
-# Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`); False copies
-# them into every row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
+# Rows that share a prompt read its keys and values from the cache row the prefill wrote, attended once a step for
+# all of them (`kv.py`); False copies them into every row first, each row reading its own copy (the A/B of
+# `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
 SHARED_PROMPT_SLOTS = True
 
 
@@ -172,6 +174,7 @@ class _Batch:
     """A decode step for `size` rows: which cache rows they are, and its captured graph (keyed by sampling)."""
 
     rows: torch.Tensor
+    groups: torch.Tensor | None = None  # [size, PROMPT_GROUP_ROWS]: the rows by shared prompt (SHARED_PROMPT_SLOTS)
     graph: tuple | None = None
     warmed: set = field(default_factory=set)  # the samplings this size has run eagerly (compiled, warmed up)
 
@@ -280,7 +283,10 @@ class RolloutEngine:
     def _batch(self, b: _Buffers, size: int) -> _Batch:
         batch = b.batches.get(size)
         if batch is None:
-            batch = b.batches[size] = _Batch(rows=torch.arange(size, device=b.last.device))
+            device = b.last.device
+            groups = (torch.full((size, PROMPT_GROUP_ROWS), -1, dtype=torch.long, device=device)
+                      if SHARED_PROMPT_SLOTS else None)
+            batch = b.batches[size] = _Batch(rows=torch.arange(size, device=device), groups=groups)
         return batch
 
     @contextlib.contextmanager
@@ -372,7 +378,8 @@ class RolloutEngine:
         # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once, into cache rows
         # [0, distinct); the rows of its completions read its slots there (or get a copy: SHARED_PROMPT_SLOTS).
         distinct = {}
-        source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+        sources = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        source = torch.tensor(sources, device=device)
         firsts = torch.tensor([prompts.index(list(p)) for p in distinct], device=device)
         with self._decoding(decoder, state):
             logits = self._prefill(decoder, input_ids[firsts], start[firsts], b, len(distinct))[source]
@@ -399,6 +406,7 @@ class RolloutEngine:
             size = batch
             current = self._batch(b, size)
             current.rows.copy_(torch.arange(size, device=device))
+            _fill_prompt_groups(current, sources)
             with self._compiled_layers(decoder), b.rotary.installed(decoder, _decoder_layers(decoder)):
                 while generated < self.max_new_tokens:
                     if generated % self.check_every == 0:
@@ -418,6 +426,7 @@ class RolloutEngine:
                                     states.reorder(position[order[:size]])
                             current = self._batch(b, size)
                             current.rows.copy_(order[:size])
+                            _fill_prompt_groups(current, [sources[row] for row in order[:size].tolist()])
                     self._run(decoder, current, b, sampling)
                     generated += 1
         if self._probe:
@@ -477,7 +486,7 @@ class RolloutEngine:
         """One decode step for `batch.rows`: feed each row's last token, sample the next, book-keep EOS."""
         rows = batch.rows
         state = b.state
-        state.rows = rows
+        state.rows, state.prompt_groups = rows, batch.groups
         state.length.add_(1)
         positions = (state.length - 1 - state.start[rows])[:, None]
         logits = embed_and_forward(
@@ -564,6 +573,24 @@ class RolloutEngine:
                 f"{type(decoder).__name__}: the engine's next-token distribution differs from the model's own forward "
                 f"(KL {kl:.3g} > {tolerance:g})"
             )
+
+
+def _fill_prompt_groups(batch: _Batch, prompts: list[int]) -> None:
+    """`batch.groups` in place: batch row i decodes a completion of distinct prompt prompts[i]; an entry lists up to
+    PROMPT_GROUP_ROWS rows of one prompt, -1 after them, and rows after the last entry."""
+    if batch.groups is None:
+        return
+    by_prompt = {}
+    for position, prompt in enumerate(prompts):
+        by_prompt.setdefault(prompt, []).append(position)
+    table = torch.full(batch.groups.shape, -1, dtype=torch.long)
+    entry = 0
+    for members in by_prompt.values():
+        for first in range(0, len(members), PROMPT_GROUP_ROWS):
+            chunk = members[first:first + PROMPT_GROUP_ROWS]
+            table[entry, : len(chunk)] = torch.tensor(chunk)
+            entry += 1
+    batch.groups.copy_(table)
 
 
 def _spread_prompt_rows(decoder: nn.Module, source: torch.Tensor, prompt_len: int) -> None:

@@ -17,7 +17,8 @@ scaling=..., sliding_window=..., softcap=..., s_aux=..., **kwargs)`) decodes on 
 
 Slots: a row's prompt fills slots [start, prompt_len) (left-padded), its completion token t slot prompt_len + t.
 Rows that share a prompt (GRPO's group) read its slots from the one cache row the prefill wrote them to
-(`prompt_rows`): the decode attention reads a group's prompt once from memory, not once per row.
+(`prompt_rows`), and the decode attention attends to them once for all the group's rows (`prompt_groups`): a
+group's prompt is read once a step, not once per row.
 The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RolloutState:
     prompt_len: torch.Tensor  # 0-d int64: the padded prompt length (prompt slots are [0, prompt_len))
     cache_rows: int  # rows of the cache tensors to allocate at the prefill
     slots: int  # slots of the cache tensors to allocate at the prefill
+    prompt_groups: torch.Tensor | None = None  # [entries, 8]: batch rows by shared prompt (decode_attention)
     prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
     prefill_calls: int = 0  # attention calls in the prefill (each layer's must reach this function)
     prefill_modules: set = field(default_factory=set)  # ids of the attention modules the prefill called
@@ -158,7 +160,7 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
         out = decode_attention(
             query[:, :, 0], key[:, :, 0], value[:, :, 0], k_cache, v_cache, state.rows, state.start, state.length,
             scale=scale, window=window, softcap=softcap, sinks=s_aux, prompt_rows=state.prompt_rows,
-            prompt_len=state.prompt_len,
+            prompt_len=state.prompt_len, prompt_groups=state.prompt_groups,
         )
         return out[:, None], None
     state.prefill_calls += 1
