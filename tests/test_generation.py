@@ -151,9 +151,11 @@ def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(mon
     """The Triton decode attention (Triton's interpreter) over rows sharing prompts attends each group's one prompt
     copy once (its prompt kernel), also after finished rows drop out and the groups are listed again: greedy tokens
     as model.generate's."""
+    from fastgrpo.integrations.generation import engine
     from fastgrpo.kernels import decode_attention
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
+    monkeypatch.setattr(engine, "GROUPED_PROMPT_ATTENTION", True)
     grouped = []
     kernel = decode_attention._triton_decode
     monkeypatch.setattr(decode_attention, "_triton_decode", lambda *a, **kw: grouped.append(

@@ -47,10 +47,13 @@ from fastgrpo.kernels._graphs import capturing
 from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS
 
 
-# Rows that share a prompt read its keys and values from the cache row the prefill wrote, attended once a step for
-# all of them (`kv.py`); False copies them into every row first, each row reading its own copy (the A/B of
-# `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
+# Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`); False copies them
+# into every row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
 SHARED_PROMPT_SLOTS = True
+# With SHARED_PROMPT_SLOTS: the decode attention attends a group's prompt once a step for all its rows
+# (decode_attention's prompt_groups). Off until measured on a GPU: `python bench/bench_generation.py --generations 8
+# --grouped-prompt 1` against 0, and `python bench/bench_decode_attention.py`.
+GROUPED_PROMPT_ATTENTION = False
 
 
 class RecompileStorm(RuntimeError):
@@ -174,7 +177,7 @@ class _Batch:
     """A decode step for `size` rows: which cache rows they are, and its captured graph (keyed by sampling)."""
 
     rows: torch.Tensor
-    groups: torch.Tensor | None = None  # [size, PROMPT_GROUP_ROWS]: the rows by shared prompt (SHARED_PROMPT_SLOTS)
+    groups: torch.Tensor | None = None  # [size, PROMPT_GROUP_ROWS]: the rows by shared prompt (GROUPED_PROMPT_ATTENTION)
     graph: tuple | None = None
     warmed: set = field(default_factory=set)  # the samplings this size has run eagerly (compiled, warmed up)
 
@@ -285,7 +288,7 @@ class RolloutEngine:
         if batch is None:
             device = b.last.device
             groups = (torch.full((size, PROMPT_GROUP_ROWS), -1, dtype=torch.long, device=device)
-                      if SHARED_PROMPT_SLOTS else None)
+                      if SHARED_PROMPT_SLOTS and GROUPED_PROMPT_ATTENTION else None)
             batch = b.batches[size] = _Batch(rows=torch.arange(size, device=device), groups=groups)
         return batch
 

@@ -17,8 +17,8 @@ scaling=..., sliding_window=..., softcap=..., s_aux=..., **kwargs)`) decodes on 
 
 Slots: a row's prompt fills slots [start, prompt_len) (left-padded), its completion token t slot prompt_len + t.
 Rows that share a prompt (GRPO's group) read its slots from the one cache row the prefill wrote them to
-(`prompt_rows`), and the decode attention attends to them once for all the group's rows (`prompt_groups`): a
-group's prompt is read once a step, not once per row.
+(`prompt_rows`); with `prompt_groups` (engine.GROUPED_PROMPT_ATTENTION) the decode attention attends to them once a
+step for all the group's rows.
 The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
 """
 from __future__ import annotations
