@@ -409,7 +409,8 @@ class RolloutEngine:
             size = batch
             current = self._batch(b, size)
             current.rows.copy_(torch.arange(size, device=device))
-            _fill_prompt_groups(current, sources)
+            if current.groups is not None:
+                _fill_prompt_groups(current, sources)
             with self._compiled_layers(decoder), b.rotary.installed(decoder, _decoder_layers(decoder)):
                 while generated < self.max_new_tokens:
                     if generated % self.check_every == 0:
@@ -429,7 +430,8 @@ class RolloutEngine:
                                     states.reorder(position[order[:size]])
                             current = self._batch(b, size)
                             current.rows.copy_(order[:size])
-                            _fill_prompt_groups(current, [sources[row] for row in order[:size].tolist()])
+                            if current.groups is not None:
+                                _fill_prompt_groups(current, [sources[row] for row in order[:size].tolist()])
                     self._run(decoder, current, b, sampling)
                     generated += 1
         if self._probe:
@@ -581,8 +583,6 @@ class RolloutEngine:
 def _fill_prompt_groups(batch: _Batch, prompts: list[int]) -> None:
     """`batch.groups` in place: batch row i decodes a completion of distinct prompt prompts[i]; an entry lists up to
     PROMPT_GROUP_ROWS rows of one prompt, -1 after them, and rows after the last entry."""
-    if batch.groups is None:
-        return
     by_prompt = {}
     for position, prompt in enumerate(prompts):
         by_prompt.setdefault(prompt, []).append(position)
