@@ -64,7 +64,8 @@ def main():
                 shared_floor = 1e3 * (-(-b // GROUP) * prompt_seen + b * own_seen) * hkv * d * 2 * 2 / BANDWIDTH
                 row = dict(shape=shape, rows=b, slots=slots, written=int(length), window=window, ms=ours,
                            sdpa_full_cache_ms=full, floor_ms=floor, floor_share=floor / ours, group=GROUP,
-                           prompt_len=slots // 2, shared_prompt_ms=shared, shared_floor_ms=shared_floor)
+                           prompt_len=slots // 2, prompt_groups=True,  # rows before it: prompt_rows alone
+                           shared_prompt_ms=shared, shared_floor_ms=shared_floor)
                 rows_out.append(row)
                 harness.emit(row)
     print("\n| shape | rows | slots | fastgrpo ms | SDPA full cache ms | floor ms | share of floor | groups of 8 "

@@ -53,6 +53,28 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_block(q, k, v, n_ok, m, l, acc, scale, softcap, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr):
+    """One block of keys and values (k, v [BLOCK_N, D_PAD], in q's dtype; `n_ok` marks the visible slots, at least
+    one) into the online softmax (m, l, acc) of q's rows; returns the updated (m, l, acc)."""
+    if NATIVE:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    if SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
+    scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: the block holds a visible slot
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    if NATIVE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr, prompt_rows_ptr, prompt_len_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
@@ -125,22 +147,7 @@ def _decode_partial_kernel(
         is_new = (n == last)[:, None]
         k = tl.where(is_new, k_new[None, :], k)
         v = tl.where(is_new, v_new[None, :], v)
-        if NATIVE:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        if SOFTCAP:
-            scores = softcap * _tanh(scores / softcap)
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        if NATIVE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
+        m, l, acc = _attend_block(q, k, v, n_ok, m, l, acc, scale, softcap, SOFTCAP, NATIVE)
 
     out = (i * (G * tl.num_programs(1)) + heads) * PART_SPLITS + PART_BASE + s
     tl.store(part_m_ptr + out, m, mask=g_ok)
@@ -197,22 +204,10 @@ def _decode_prompt_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + n[:, None].to(tl.int64) * sk2 + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + n[:, None].to(tl.int64) * sv2 + d[None, :], mask=kv_mask, other=0.0)
-        if NATIVE:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        else:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        if SOFTCAP:
-            scores = softcap * _tanh(scores / softcap)
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # every block holds a visible slot: finite
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        if NATIVE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        m = m_new
+        if not NATIVE:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m, l, acc = _attend_block(q, k, v, n_ok, m, l, acc, scale, softcap, SOFTCAP, NATIVE)
 
     out = (position * (G * tl.num_programs(1)) + heads) * PART_SPLITS + s
     tl.store(part_m_ptr + out, m, mask=valid)
