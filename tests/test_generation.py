@@ -570,13 +570,15 @@ def test_sampled_tokens_follow_the_models_distribution():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_cuda_graph_decode_matches_model_generate(arch, monkeypatch):
-    """On CUDA: inductor-compiled layers, the step captured per batch size, the decode attention kernel; the tokens of
-    model.generate, also after finished rows drop out to smaller batches."""
+@pytest.mark.parametrize("arch, grouped", [("qwen2", False), ("gemma3", False), ("qwen2", True), ("gemma3", True)])
+def test_cuda_graph_decode_matches_model_generate(arch, grouped, monkeypatch):
+    """On CUDA: inductor-compiled layers, the step captured per batch size, the decode attention kernel (grouped: a
+    group's prompt attended once for its rows); the tokens of model.generate, also after finished rows drop out to
+    smaller batches."""
     from fastgrpo.compiler.tiny import tiny_model
 
     torch._dynamo.reset()
+    monkeypatch.setattr("fastgrpo.integrations.generation.engine.GROUPED_PROMPT_ATTENTION", grouped)
     monkeypatch.setattr("fastgrpo.integrations.generation.engine.COMPILED_SAMPLING_ROWS", 1)  # sampling compiled too
     if arch == "gemma3":
         model = tiny_model("gemma3", vocab_size=VOCAB, initializer_range=0.5, sliding_window=8,
