@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -329,6 +330,20 @@ def device_rates() -> tuple[float, float]:
     target = torch.empty_like(source)
     copy = kernel_ms(lambda: target.copy_(source), warmup=100, rep=500, return_mode="median")
     return 2 * n**3 / (matmul * 1e-3) / 1e12, 2 * source.numel() / (copy * 1e-3) / 1e12
+
+
+@functools.cache
+def copy_tbps() -> float:
+    """This CUDA device's copy rate (read + write, TB/s of a 1 GiB copy), measured once a process: the floors of the
+    memory-bound benches (an H100 copies at ~3 TB/s, an H200 at ~4.3); COPY_TBPS where no CUDA device is."""
+    if not torch.cuda.is_available():
+        return COPY_TBPS
+    source = torch.empty(2**30, device="cuda", dtype=torch.uint8)
+    target = torch.empty_like(source)
+    copy = kernel_ms(lambda: target.copy_(source), warmup=20, rep=100, return_mode="median")
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / (copy * 1e-3) / 1e12
 
 
 # Markdown tables.

@@ -9,7 +9,7 @@ spread, the EOS id lies outside the vocabulary and every row runs the full lengt
 `--generations G` gives each prompt to G adjacent rows, as GRPO's groups do (default 1: every row its own prompt).
 
 The limit of a case: every decode step reads the weights once, each running row's written completion KV once and each
-running group's prompt KV once, at the measured 4.3 TB/s, plus the prefill's matmuls (one row per distinct prompt) at
+running group's prompt KV once, at the device's copy rate (measured at the start: ~4.3 TB/s on an H200), plus the prefill's matmuls (one row per distinct prompt) at
 790 TFLOP/s. tokens/s over the tokens/s that limit allows is the share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
 
     python bench/bench_generation.py                            # GPU, the four cases
@@ -40,7 +40,6 @@ from fastgrpo.integrations.generation import engine as engine_module  # noqa: E4
 from fastgrpo.integrations.generation import sampling as sampling_module  # noqa: E402
 from fastgrpo.integrations.generation.adapters import MERGE_MODES  # noqa: E402
 
-BANDWIDTH = harness.COPY_TBPS * 1e12
 MATMUL = harness.MATMUL_TFLOPS * 1e12
 SPREAD_EOS_BIAS = 5.0  # added to the EOS logit in the spread case (lengths ~ geometric, mean ~ half of 1024)
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -131,7 +130,7 @@ def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token:
         groups = len({i // generations for i, n in enumerate(rows_lengths) if n > t})
         weights = dense + sum(size * (1 - (1 - k / e) ** running) for size, _, e, k in banks)
         kv = (groups * prompt_len + running * t) * kv_per_token
-        seconds += (weights + kv + running * 2 * state_per_row) / BANDWIDTH
+        seconds += (weights + kv + running * 2 * state_per_row) / (harness.copy_tbps() * 1e12)
     return seconds
 
 
@@ -223,7 +222,7 @@ def main(argv=None):
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
                    join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
                    shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=bool(args.grouped_prompt),
-                   seconds=seconds,
+                   seconds=seconds, copy_tbps=harness.copy_tbps(),
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,
                    batches=sorted(generator.engine._buffers.batches) if generator.engine else None,
