@@ -434,6 +434,13 @@ def emit(row: dict) -> None:
     print("RESULT " + json.dumps(row, default=str), flush=True)
 
 
+def grouped_mode(text: str) -> bool | str:
+    """--grouped-prompt's value: 1 / 0 as True / False, or "auto" (engine.GROUPED_PROMPT_ATTENTION)."""
+    if text not in ("0", "1", "auto"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use 1, 0 or auto")
+    return text if text == "auto" else text == "1"
+
+
 def argument_parser(doc: str | None) -> argparse.ArgumentParser:
     """A parser whose --help prints the script's docstring as written."""
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

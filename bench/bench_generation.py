@@ -70,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--generations", type=int, default=1, help="rows a prompt is given to (GRPO's group size)")
     p.add_argument("--shared-prompt-slots", type=int, default=1,
                    help="0: a group's rows each get a copy of its prompt's KV (engine.SHARED_PROMPT_SLOTS off)")
-    p.add_argument("--grouped-prompt", type=int, default=0,
-                   help="1: a group's prompt attended once a step for all its rows (engine.GROUPED_PROMPT_ATTENTION)")
+    p.add_argument("--grouped-prompt", type=harness.grouped_mode, default="auto",
+                   help="a group's prompt attended once a step for all its rows (engine.GROUPED_PROMPT_ATTENTION): 1 in "
+                   "every layer, 0 in none, auto (default) where a token's KV is large")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
@@ -160,7 +161,7 @@ def main(argv=None):
     args = parse_args(argv)
     adapters.JOIN_QKV = bool(args.join_qkv)
     engine_module.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
-    engine_module.GROUPED_PROMPT_ATTENTION = bool(args.grouped_prompt)
+    engine_module.GROUPED_PROMPT_ATTENTION = args.grouped_prompt
     if args.fused_sampling is not None:
         sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -221,7 +222,7 @@ def main(argv=None):
                    mean_length=tokens / rows, lora=bool(args.lora), merge_lora=args.merge_lora if args.lora else None,
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
                    join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
-                   shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=bool(args.grouped_prompt),
+                   shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=args.grouped_prompt,
                    seconds=seconds, copy_tbps=harness.copy_tbps(),
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,

@@ -117,13 +117,14 @@ run_step() {
         step "fused_sampling_$fused" 110 "$OURS" python3 bench/bench_generation.py --cases ${FUSED_CASES:-64x256,128x512} --fused-sampling $fused
       done ;;
     # GRPO groups of 8 rows reading their prompt's one KV copy (1) against a copy each (0, engine.SHARED_PROMPT_SLOTS
-    # off), and (g) with the group's prompt attended once a step (engine.GROUPED_PROMPT_ATTENTION): rollouts at
+    # off), and (g) with the group's prompt attended once a step in every layer (engine.GROUPED_PROMPT_ATTENTION; 1 and
+    # 0 in none): rollouts at
     # SHARED_CASES of SHARED_SHAPE, one process each, in SHARED_ORDER (default: g 1 0, twice).
     shared_slots)
       local n=0
       for mode in ${SHARED_ORDER:-g 1 0 g 1 0}; do
         local flags="--shared-prompt-slots 1 --grouped-prompt 1"
-        [ "$mode" = g ] || flags="--shared-prompt-slots $mode"
+        [ "$mode" = g ] || flags="--shared-prompt-slots $mode --grouped-prompt 0"
         n=$((n + 1)); step "shared_slots_${n}_$mode" 120 "$OURS" python3 bench/bench_generation.py --shape ${SHARED_SHAPE:-qwen2.5-1.5b} --generations 8 --cases ${SHARED_CASES:-64x512,128x512} $flags
       done ;;
     # The whole step with the generator's cache, graphs and joined copies kept between rollouts (0) or freed after

@@ -60,9 +60,10 @@ def parse_args(argv=None):
                    help="fastgrpo: 0 decodes merged q, k and v as three GEMMs (generation.adapters.JOIN_QKV off)")
     p.add_argument("--shared-prompt-slots", type=int, default=1,
                    help="fastgrpo: 0 copies a group's prompt KV into each of its rows (engine.SHARED_PROMPT_SLOTS off)")
-    p.add_argument("--grouped-prompt", type=int, default=0,
-                   help="fastgrpo: 1 attends a group's prompt once a step for all its rows "
-                   "(engine.GROUPED_PROMPT_ATTENTION)")
+    p.add_argument("--grouped-prompt", type=harness.grouped_mode, default="auto",
+                   help="fastgrpo: a group's prompt attended once a step for all its rows "
+                   "(engine.GROUPED_PROMPT_ATTENTION): 1 in every layer, 0 in none, auto (default) where a token's KV "
+                   "is large")
     p.add_argument("--profile-first", metavar="PATH", help="write a cProfile of the first step (pstats) to PATH and "
                    "print its 25 costliest functions by own time and Dynamo's compile-phase times")
     args = p.parse_args(argv)
@@ -191,7 +192,7 @@ def run(args) -> dict:
 
         adapters.JOIN_QKV = bool(args.join_qkv)
         engine.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
-        engine.GROUPED_PROMPT_ATTENTION = bool(args.grouped_prompt)
+        engine.GROUPED_PROMPT_ATTENTION = args.grouped_prompt
         config = GRPOConfig(**common, fastgrpo_embedded_generation=bool(args.embedded_generation),
                             fastgrpo_generation_merge_lora=args.merge_lora,
                             fastgrpo_generation_release_memory=bool(args.release_memory))
@@ -222,7 +223,7 @@ def run(args) -> dict:
         merge_lora=args.merge_lora if args.system == "fastgrpo" else None,
         join_qkv=bool(args.join_qkv) if args.system == "fastgrpo" else None,
         shared_prompt_slots=bool(args.shared_prompt_slots) if args.system == "fastgrpo" else None,
-        grouped_prompt=bool(args.grouped_prompt) if args.system == "fastgrpo" else None,
+        grouped_prompt=args.grouped_prompt if args.system == "fastgrpo" else None,
         release_memory=bool(args.release_memory) if args.system == "fastgrpo" else None,
         prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len, completion=args.completion,
         micro_batch=micro, layer_graphs=layer_graph_stats(trainer),

@@ -147,15 +147,21 @@ def test_the_prefill_runs_each_distinct_prompt_once(monkeypatch, shared_slots):
     assert caches and copied == [not shared_slots] * len(caches)  # rows past the prefill's hold no prompt copy
 
 
-def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(monkeypatch):
+@pytest.mark.parametrize("mode, min_bytes, grouped_layers", [(True, None, True), ("auto", 0, True),
+                                                               ("auto", None, False), (False, 0, False)])
+def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(monkeypatch, mode, min_bytes,
+                                                                            grouped_layers):
     """The Triton decode attention (Triton's interpreter) over rows sharing prompts attends each group's one prompt
-    copy once (its prompt kernel), also after finished rows drop out and the groups are listed again: greedy tokens
-    as model.generate's."""
+    copy once (its prompt kernel) where GROUPED_PROMPT_ATTENTION says (True: every layer; "auto": the layers whose
+    token KV reaches GROUPED_PROMPT_MIN_BYTES, none of the tiny model's at the default), also after finished rows
+    drop out and the groups are listed again: greedy tokens as model.generate's."""
     from fastgrpo.integrations.generation import engine
     from fastgrpo.kernels import decode_attention
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
-    monkeypatch.setattr(engine, "GROUPED_PROMPT_ATTENTION", True)
+    monkeypatch.setattr(engine, "GROUPED_PROMPT_ATTENTION", mode)
+    if min_bytes is not None:
+        monkeypatch.setattr(decode_attention, "GROUPED_PROMPT_MIN_BYTES", min_bytes)
     grouped = []
     kernel = decode_attention._triton_decode
     monkeypatch.setattr(decode_attention, "_triton_decode", lambda *a, **kw: grouped.append(
@@ -168,7 +174,7 @@ def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(mon
                                   compile=False)
     with triton_on_cpu():
         assert generator.generate(batch, temperature=0) == expected
-    assert grouped and all(grouped)
+    assert grouped and set(grouped) == {grouped_layers}
     assert sorted(generator.engine._buffers.batches) == [4, 15]
 
 

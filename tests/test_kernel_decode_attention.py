@@ -196,6 +196,19 @@ def test_prompt_rows_and_prompt_len_come_together():
                          prompt_groups=torch.zeros(2, 3, dtype=torch.long), **options)
 
 
+def test_grouped_prompt_pays_where_a_tokens_keys_and_values_are_large():
+    """prompt_groups pays from GROUPED_PROMPT_MIN_BYTES of keys + values a token and layer (Phi-3-mini's 32 x 96 heads
+    in bf16: 12 KiB), not at grouped-query caches (Llama-3.1-8B's 8 x 128: 4 KiB; Qwen2.5-1.5B's 2 x 128: 1 KiB)."""
+    from fastgrpo.kernels.decode_attention import grouped_prompt_pays
+
+    def cache(heads, dim, dtype=torch.bfloat16):
+        return torch.empty(1, heads, 4, dim, dtype=dtype, device="meta")
+
+    assert grouped_prompt_pays(cache(32, 96)) and grouped_prompt_pays(cache(32, 128))
+    assert not grouped_prompt_pays(cache(8, 128)) and not grouped_prompt_pays(cache(2, 128))
+    assert grouped_prompt_pays(cache(8, 128, torch.float32))  # the bytes count, not the heads
+
+
 def test_no_backward():
     inputs, options = case(0, 1, 1, 1, 16, 8, 1, torch.float32, None, None, False, False)
     inputs["q"].requires_grad_(True)

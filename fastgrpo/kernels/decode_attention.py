@@ -45,6 +45,12 @@ _PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
 PROMPT_GROUP_ROWS = 8  # width of a prompt_groups entry (GRPO's common group size; larger groups take two entries)
 _PROMPT_DOT_ROWS = 64  # rows x heads a prompt program holds at most (its queries, accumulator and scores)
+# Keys + values of one token of one layer from which prompt_groups pays for its extra kernel: rows reading a shared
+# prompt each (prompt_rows alone) mostly hit L2 when a token's KV is small, and miss it when it is large.
+# `python bench/bench_decode_attention.py` (H100): Phi-3-mini (12 KiB) 0.44-0.95x the time of prompt_rows alone;
+# Qwen2.5-1.5B and Gemma-3-1B (1 KiB) 0.93-3.6x. Whole steps (`bash bench/device_session.sh train_step`,
+# `--grouped-prompt 1|0`): Phi-3-mini generation 3.81 against 4.64 s, Llama-3.1-8B (4 KiB) 4.72 against 4.59 s.
+GROUPED_PROMPT_MIN_BYTES = 8192
 
 
 @triton.jit
@@ -242,6 +248,13 @@ def _splits(batch: int, kv_heads: int, slots: int, block_n: int, device: torch.d
     programs = batch * kv_heads
     want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), programs)
     return max(1, min(want, cdiv(slots, block_n), _MAX_SPLITS))
+
+
+def grouped_prompt_pays(k_cache: torch.Tensor) -> bool:
+    """Whether attending a shared prompt once a group (prompt_groups) is expected to be faster than each row reading
+    it (prompt_rows alone) on a cache [R, Hkv, L, D]: a token's keys and values of the layer reach
+    GROUPED_PROMPT_MIN_BYTES."""
+    return 2 * k_cache.shape[1] * k_cache.shape[3] * k_cache.element_size() >= GROUPED_PROMPT_MIN_BYTES
 
 
 def _prompt_members(group: int) -> int:

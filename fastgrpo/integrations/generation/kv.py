@@ -17,8 +17,9 @@ scaling=..., sliding_window=..., softcap=..., s_aux=..., **kwargs)`) decodes on 
 
 Slots: a row's prompt fills slots [start, prompt_len) (left-padded), its completion token t slot prompt_len + t.
 Rows that share a prompt (GRPO's group) read its slots from the one cache row the prefill wrote them to
-(`prompt_rows`); with `prompt_groups` (engine.GROUPED_PROMPT_ATTENTION) the decode attention attends to them once a
-step for all the group's rows.
+(`prompt_rows`); with `prompt_groups` (engine.GROUPED_PROMPT_ATTENTION; by default in the layers whose tokens' KV is
+large: `decode_attention.grouped_prompt_pays`) the decode attention attends to them once a step for all the group's
+rows.
 The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from transformers.cache_utils import Cache
 
 from fastgrpo.integrations.generation.recurrent import STATES_ATTRIBUTE
 from fastgrpo.integrations.windows import UNKNOWN_WINDOW, layer_window
-from fastgrpo.kernels.decode_attention import decode_attention
+from fastgrpo.kernels.decode_attention import decode_attention, grouped_prompt_pays
 
 ATTN_IMPLEMENTATION = "fastgrpo_rollout"
 _KV_ATTRIBUTE = "_fastgrpo_kv"
@@ -52,6 +53,7 @@ class RolloutState:
     cache_rows: int  # rows of the cache tensors to allocate at the prefill
     slots: int  # slots of the cache tensors to allocate at the prefill
     prompt_groups: torch.Tensor | None = None  # [entries, 8]: batch rows by shared prompt (decode_attention)
+    prompt_groups_everywhere: bool = False  # pass prompt_groups to every layer, not only where grouped_prompt_pays
     prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
     prefill_calls: int = 0  # attention calls in the prefill (each layer's must reach this function)
     prefill_modules: set = field(default_factory=set)  # ids of the attention modules the prefill called
@@ -157,10 +159,13 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     softcap = float(softcap) if softcap else None
     if not state.prefill:
         k_cache, v_cache = module.__dict__[_KV_ATTRIBUTE]
+        groups = state.prompt_groups
+        if groups is not None and not (state.prompt_groups_everywhere or grouped_prompt_pays(k_cache)):
+            groups = None
         out = decode_attention(
             query[:, :, 0], key[:, :, 0], value[:, :, 0], k_cache, v_cache, state.rows, state.start, state.length,
             scale=scale, window=window, softcap=softcap, sinks=s_aux, prompt_rows=state.prompt_rows,
-            prompt_len=state.prompt_len, prompt_groups=state.prompt_groups,
+            prompt_len=state.prompt_len, prompt_groups=groups,
         )
         return out[:, None], None
     state.prefill_calls += 1
