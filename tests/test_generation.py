@@ -346,6 +346,29 @@ def test_one_row_that_does_not_fit_raises_naming_the_fixes(monkeypatch):
     assert "one row of 6 new tokens does not fit" in "".join(raised.value.__notes__)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_rows_longer_than_a_learned_position_table_raise_naming_the_fix(arch):
+    """GPT-2's and OPT's learned position tables (OPT's with its offset of 2) end at the configured length: a rollout
+    that would pass it raises before any forward (on CUDA the lookup would fail as a device-side assert); rows that
+    fit decode as model.generate. RoPE models have no such limit (None)."""
+    from transformers import GPT2Config, OPTConfig
+
+    from fastgrpo.integrations.generation.generator import learned_position_limit
+
+    torch.manual_seed(0)
+    config = (GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB, pad_token_id=PAD)
+              if arch == "gpt2" else
+              OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, word_embed_proj_dim=32,
+                        max_position_embeddings=16, vocab_size=VOCAB, pad_token_id=PAD))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert learned_position_limit(model) == 16 and learned_position_limit(tiny_lm("llama")) is None
+    batch = [[5, 6, 7, 8]] * 2
+    with pytest.raises(ValueError, match="needs 21 positions; .* embeds 16 .* max_completion_length"):
+        EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=17).generate(batch, temperature=0)
+    assert (EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12).generate(batch, temperature=0)
+            == hf_greedy(model, batch, 12, eos=VOCAB + 1))
+
+
 def test_an_fp32_lm_head_tied_to_the_embeddings_decodes_with_its_cast_hook():
     """TRL's cast_lm_head_to_fp32 on tied embeddings: the shared weight becomes fp32 and a forward hook casts the
     embeddings back to the model's dtype. The engine keeps that hook (and takes off the require-grads one)."""

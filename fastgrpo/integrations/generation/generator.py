@@ -10,6 +10,9 @@ weight sync. The work is done by `RolloutEngine` (engine.py). What it cannot run
 - rows that do not fit the accelerator's memory (its KV cache, its graphs): one warning, then the engine decodes in
   waves of half as many rows, halved again until a wave fits, for the rest of the run. A single row that does not
   fit raises the out-of-memory error, with a note naming the fixes.
+
+Rows longer than a model's learned position table (GPT-2, OPT, ...) raise a ValueError naming the fix before any
+forward: past it the table's lookup fails, on CUDA as a device-side assert that ends the process's CUDA context.
 """
 from __future__ import annotations
 
@@ -51,6 +54,21 @@ def truncate_after_eos(completion: torch.Tensor, eos_token_ids: list[int]) -> li
     is_eos = torch.isin(completion, torch.tensor(eos_token_ids, device=completion.device))
     lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion.size(1))
     return [row[:n].tolist() for row, n in zip(completion.cpu(), lengths.tolist())]
+
+
+def learned_position_limit(model: nn.Module) -> int | None:
+    """The positions a model with a learned absolute position table can embed (GPT-2's `n_positions`, OPT's
+    `max_position_embeddings`), or None where positions are computed (RoPE, ALiBi) and longer rows only degrade. A
+    table is an nn.Embedding of the configured size (OPT's offset of 2 included) other than the token embedding."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit < 1:
+        return None
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module is not tokens and module.num_embeddings in (limit, limit + 2):
+            return limit
+    return None
 
 
 def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +222,14 @@ class EmbeddedGenerator:
         sampling = Sampling(temperature, top_k or None, top_p, min_p, repetition_penalty)
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
         decoder = unwrap_for_generation(self.model)
+        limit = learned_position_limit(decoder)
+        longest = max(map(len, prompts))
+        if limit is not None and longest + self.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens with {self.max_new_tokens} new tokens needs {longest + self.max_new_tokens} "
+                f"positions; {type(decoder).__name__} embeds {limit} (a learned position table: past it, its lookup "
+                f"fails, on CUDA as a device-side assert). Shorten the data set's prompts or max_completion_length so "
+                f"that together they fit {limit} tokens.")
         if self.fallback != "generate":
             if self.engine is None:
                 self.engine = self._new_engine(compiled=self._compile if self._compile is not None
