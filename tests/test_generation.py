@@ -363,6 +363,8 @@ def test_rows_longer_than_a_learned_position_table_raise_naming_the_fix(arch):
     model = AutoModelForCausalLM.from_config(config).eval()
     assert learned_position_limit(model) == 16 and learned_position_limit(tiny_lm("llama")) is None
     batch = [[5, 6, 7, 8]] * 2
+    with pytest.raises(ValueError, match="pad_token_id is None: pass the tokenizer's pad token"):
+        EmbeddedGenerator(model, None, [VOCAB + 1], max_new_tokens=17)
     with pytest.raises(ValueError, match="needs 21 positions; .* embeds 16 .* max_completion_length"):
         EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=17).generate(batch, temperature=0)
     assert (EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12).generate(batch, temperature=0)

@@ -130,6 +130,9 @@ class EmbeddedGenerator:
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if pad_token_id is None:
+            raise ValueError("pad_token_id is None: pass the tokenizer's pad token id (TRL pads with the EOS token "
+                             "where a tokenizer has none: tokenizer.pad_token = tokenizer.eos_token)")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_ids)] if isinstance(eos_token_ids, int) else [int(e) for e in eos_token_ids]
