@@ -1,8 +1,8 @@
 """fastgrpo::decode_attention against SDPA over the whole static cache (what transformers' StaticCache decode runs,
 the grouped heads expanded) and against the bytes floor (each row's written KV read once at the device's copy rate,
 measured at the start). CUDA graphs. Also the op with GRPO's groups of 8 rows sharing a prompt of half the slots:
-the group's prompt KV held once and read by each row (`prompt_rows`), or attended once a step (`prompt_groups`) against its floor (each group's prompt KV and each row's own KV
-read once).
+the group's prompt KV held once and read by each row (`prompt_rows`) or attended once a step for the group
+(`prompt_groups`), against its floor (each group's prompt KV and each row's own KV read once).
 
     python bench/bench_decode_attention.py        # GPU; rows appended to bench/results/bench_decode_attention.jsonl
 """

@@ -9,8 +9,8 @@ spread, the EOS id lies outside the vocabulary and every row runs the full lengt
 `--generations G` gives each prompt to G adjacent rows, as GRPO's groups do (default 1: every row its own prompt).
 
 The limit of a case: every decode step reads the weights once, each running row's written completion KV once and each
-running group's prompt KV once, at the device's copy rate (measured at the start: ~4.3 TB/s on an H200), plus the prefill's matmuls (one row per distinct prompt) at
-790 TFLOP/s. tokens/s over the tokens/s that limit allows is the share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
+running group's prompt KV once, at the device's copy rate (measured at the start: ~4.3 TB/s on an H200, ~3.0 on an
+H100), plus the prefill's matmuls (one row per distinct prompt) at 790 TFLOP/s. tokens/s over the tokens/s that limit allows is the share reported. Goals: >= 25k tokens/s at 64x256 and >= 35k (>= 40 % of the limit) at 128x512 with LoRA.
 
     python bench/bench_generation.py                            # GPU, the four cases
     python bench/bench_generation.py --cases 128x512 --hf       # also time model.generate on the first case

@@ -116,10 +116,9 @@ run_step() {
       for fused in 0 1 0 1; do
         step "fused_sampling_$fused" 110 "$OURS" python3 bench/bench_generation.py --cases ${FUSED_CASES:-64x256,128x512} --fused-sampling $fused
       done ;;
-    # GRPO groups of 8 rows reading their prompt's one KV copy (1) against a copy each (0, engine.SHARED_PROMPT_SLOTS
-    # off), and (g) with the group's prompt attended once a step in every layer (engine.GROUPED_PROMPT_ATTENTION; 1 and
-    # 0 in none): rollouts at
-    # SHARED_CASES of SHARED_SHAPE, one process each, in SHARED_ORDER (default: g 1 0, twice).
+    # GRPO groups of 8 rows: each row reading its prompt's one KV copy (1), a copy each (0, engine.SHARED_PROMPT_SLOTS
+    # off), or the group's prompt attended once a step in every layer (g, engine.GROUPED_PROMPT_ATTENTION=True):
+    # rollouts at SHARED_CASES of SHARED_SHAPE, one process each, in SHARED_ORDER (default: g 1 0, twice).
     shared_slots)
       local n=0
       for mode in ${SHARED_ORDER:-g 1 0 g 1 0}; do

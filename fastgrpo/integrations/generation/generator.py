@@ -59,14 +59,15 @@ def truncate_after_eos(completion: torch.Tensor, eos_token_ids: list[int]) -> li
 def learned_position_limit(model: nn.Module) -> int | None:
     """The positions a model with a learned absolute position table can embed (GPT-2's `n_positions`, OPT's
     `max_position_embeddings`), or None where positions are computed (RoPE, ALiBi) and longer rows only degrade. A
-    table is an nn.Embedding of the configured size (OPT's offset of 2 included) other than the token embedding."""
+    table is an nn.Embedding of the configured size (OPT's offset of 2 included) with no row per vocabulary token."""
     config = getattr(model, "config", None)
     limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or limit < 1:
         return None
-    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(config, "vocab_size", None)
     for module in model.modules():
-        if isinstance(module, nn.Embedding) and module is not tokens and module.num_embeddings in (limit, limit + 2):
+        if (isinstance(module, nn.Embedding) and module.num_embeddings != vocab
+                and module.num_embeddings in (limit, limit + 2)):
             return limit
     return None
 
