@@ -147,14 +147,16 @@ def test_the_prefill_runs_each_distinct_prompt_once(monkeypatch, shared_slots):
     assert caches and copied == [not shared_slots] * len(caches)  # rows past the prefill's hold no prompt copy
 
 
-@pytest.mark.parametrize("mode, min_bytes, grouped_layers", [(True, None, True), ("auto", 0, True),
-                                                               ("auto", None, False), (False, 0, False)])
+@pytest.mark.parametrize("mode, min_bytes, grouped_layers, compiled", [
+    (True, None, True, False), ("auto", 0, True, False), ("auto", 0, True, True), ("auto", None, False, True),
+    (False, 0, False, False)])
 def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(monkeypatch, mode, min_bytes,
-                                                                            grouped_layers):
+                                                                            grouped_layers, compiled):
     """The Triton decode attention (Triton's interpreter) over rows sharing prompts attends each group's one prompt
     copy once (its prompt kernel) where GROUPED_PROMPT_ATTENTION says (True: every layer; "auto": the layers whose
-    token KV reaches GROUPED_PROMPT_MIN_BYTES, none of the tiny model's at the default), also after finished rows
-    drop out and the groups are listed again: greedy tokens as model.generate's."""
+    token KV reaches GROUPED_PROMPT_MIN_BYTES, none of the tiny model's at the default; decided inside the compiled
+    layer where it is compiled), also after finished rows drop out and the groups are listed again: greedy tokens as
+    model.generate's."""
     from fastgrpo.integrations.generation import engine
     from fastgrpo.kernels import decode_attention
     from fastgrpo.kernels._dispatch import triton_on_cpu
@@ -171,8 +173,9 @@ def test_groups_sharing_a_prompt_decode_through_the_kernel_as_model_generate(mon
     eos = hf_greedy(model, batch, 10, eos=VOCAB + 1)[0][3]
     expected = hf_greedy(model, batch, 10, eos=eos)
     generator = EmbeddedGenerator(model, PAD, [eos], max_new_tokens=10, min_batch=1, check_finished_every=2,
-                                  compile=False)
-    with triton_on_cpu():
+                                  compile=compiled, compile_backend="eager")
+    with triton_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
         assert generator.generate(batch, temperature=0) == expected
     assert grouped and set(grouped) == {grouped_layers}
     assert sorted(generator.engine._buffers.batches) == [4, 15]
