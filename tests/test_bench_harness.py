@@ -254,7 +254,7 @@ def test_the_rollout_limit_reads_the_experts_the_rows_pick():
     dense = bg.model_bytes(moe) - experts
 
     def step_bytes(rows):  # one decode step, no prefill, no cache
-        return bg.limit_seconds(moe, [2] * rows, 0, 0, 0) * bg.BANDWIDTH
+        return bg.limit_seconds(moe, [2] * rows, 0, 0, 0) * harness.copy_tbps() * 1e12
 
     assert step_bytes(1) == pytest.approx(dense + experts * 8 / 128)
     assert step_bytes(1024) == pytest.approx(dense + experts)
