@@ -350,10 +350,11 @@ def test_one_row_that_does_not_fit_raises_naming_the_fixes(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
-def test_rows_longer_than_a_learned_position_table_raise_naming_the_fix(arch):
+def test_bad_rollout_input_raises_naming_the_fix(arch):
     """GPT-2's and OPT's learned position tables (OPT's with its offset of 2) end at the configured length: a rollout
     that would pass it raises before any forward (on CUDA the lookup would fail as a device-side assert); rows that
-    fit decode as model.generate. RoPE models have no such limit (None)."""
+    fit decode as model.generate. RoPE models have no such limit (None). A pad id of None and empty prompts are
+    refused, each with its fix."""
     from transformers import GPT2Config, OPTConfig
 
     from fastgrpo.integrations.generation.generator import learned_position_limit
@@ -368,6 +369,8 @@ def test_rows_longer_than_a_learned_position_table_raise_naming_the_fix(arch):
     batch = [[5, 6, 7, 8]] * 2
     with pytest.raises(ValueError, match="pad_token_id is None: pass the tokenizer's pad token"):
         EmbeddedGenerator(model, None, [VOCAB + 1], max_new_tokens=17)
+    with pytest.raises(ValueError, match=r"prompts \[1\] have no tokens \(of 2\); .* drop empty prompts"):
+        EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=4).generate([[5], []], temperature=0)
     with pytest.raises(ValueError, match="needs 21 positions; .* embeds 16 .* max_completion_length"):
         EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=17).generate(batch, temperature=0)
     assert (EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12).generate(batch, temperature=0)

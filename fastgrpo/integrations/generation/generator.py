@@ -221,8 +221,10 @@ class EmbeddedGenerator:
         """
         if not prompt_ids:
             return []
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prompts {empty[:8]} have no tokens (of {len(prompt_ids)}); a completion continues a "
+                             "prompt: drop empty prompts from the data set (or use a tokenizer that adds a BOS token)")
         sampling = Sampling(temperature, top_k or None, top_p, min_p, repetition_penalty)
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
         decoder = unwrap_for_generation(self.model)
