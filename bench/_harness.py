@@ -326,10 +326,7 @@ def device_rates() -> tuple[float, float]:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(a)
     matmul = kernel_ms(lambda: torch.mm(a, b, out=out), warmup=100, rep=500, return_mode="median")
-    source = torch.empty(2**30, device="cuda", dtype=torch.uint8)
-    target = torch.empty_like(source)
-    copy = kernel_ms(lambda: target.copy_(source), warmup=100, rep=500, return_mode="median")
-    return 2 * n**3 / (matmul * 1e-3) / 1e12, 2 * source.numel() / (copy * 1e-3) / 1e12
+    return 2 * n**3 / (matmul * 1e-3) / 1e12, copy_tbps()
 
 
 @functools.cache
@@ -340,7 +337,7 @@ def copy_tbps() -> float:
         return COPY_TBPS
     source = torch.empty(2**30, device="cuda", dtype=torch.uint8)
     target = torch.empty_like(source)
-    copy = kernel_ms(lambda: target.copy_(source), warmup=20, rep=100, return_mode="median")
+    copy = kernel_ms(lambda: target.copy_(source), warmup=100, rep=500, return_mode="median")
     del source, target
     torch.cuda.empty_cache()
     return 2 * 2**30 / (copy * 1e-3) / 1e12

@@ -44,7 +44,7 @@ from fastgrpo.integrations.generation.recurrent import has_states, own_states, r
 from fastgrpo.integrations.generation.rotary import RotaryTables, check_length
 from fastgrpo.integrations.generation.sampling import Sampling, sample
 from fastgrpo.kernels._graphs import capturing
-from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS
+from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS, grouped_prompt_pays
 
 
 # Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`); False copies them
@@ -283,12 +283,12 @@ class RolloutEngine:
             b.batches.clear()  # graphs captured without the penalty's buffer
         return b
 
-    def _batch(self, b: _Buffers, size: int) -> _Batch:
+    def _batch(self, b: _Buffers, size: int, grouped: bool) -> _Batch:
+        """The decode step of `size` rows; `grouped`: it lists its rows by shared prompt (`_prompt_groups_used`)."""
         batch = b.batches.get(size)
         if batch is None:
             device = b.last.device
-            groups = (torch.full((size, PROMPT_GROUP_ROWS), -1, dtype=torch.long, device=device)
-                      if SHARED_PROMPT_SLOTS and GROUPED_PROMPT_ATTENTION else None)
+            groups = torch.full((size, PROMPT_GROUP_ROWS), -1, dtype=torch.long, device=device) if grouped else None
             batch = b.batches[size] = _Batch(rows=torch.arange(size, device=device), groups=groups)
         return batch
 
@@ -396,6 +396,8 @@ class RolloutEngine:
                     states.spread(source)
             for states in self._states:
                 states.use_rows(batch)
+            grouped = _prompt_groups_used(decoder)
+            state.prompt_groups_everywhere = GROUPED_PROMPT_ATTENTION is True
             if self._probe is not None:
                 self._probe[0] = self._probe[0][source[self._probe_rows]]
             first, first_logprobs = sample(logits, sampling, b.seen[:batch] if penalty else None)
@@ -407,7 +409,7 @@ class RolloutEngine:
                 b.seen[torch.arange(batch, device=device), first] = True
             generated = 1
             size = batch
-            current = self._batch(b, size)
+            current = self._batch(b, size, grouped)
             current.rows.copy_(torch.arange(size, device=device))
             if current.groups is not None:
                 _fill_prompt_groups(current, sources)
@@ -428,7 +430,7 @@ class RolloutEngine:
                                 position[current.rows] = torch.arange(len(current.rows), device=device)
                                 for states in self._states:
                                     states.reorder(position[order[:size]])
-                            current = self._batch(b, size)
+                            current = self._batch(b, size, grouped)
                             current.rows.copy_(order[:size])
                             if current.groups is not None:
                                 _fill_prompt_groups(current, [sources[row] for row in order[:size].tolist()])
@@ -492,7 +494,6 @@ class RolloutEngine:
         rows = batch.rows
         state = b.state
         state.rows, state.prompt_groups = rows, batch.groups
-        state.prompt_groups_everywhere = GROUPED_PROMPT_ATTENTION is True
         state.length.add_(1)
         positions = (state.length - 1 - state.start[rows])[:, None]
         logits = embed_and_forward(
@@ -579,6 +580,15 @@ class RolloutEngine:
                 f"{type(decoder).__name__}: the engine's next-token distribution differs from the model's own forward "
                 f"(KL {kl:.3g} > {tolerance:g})"
             )
+
+
+def _prompt_groups_used(decoder: nn.Module) -> bool:
+    """Whether some layer's decode attention takes the rows listed by shared prompt (GROUPED_PROMPT_ATTENTION: True,
+    or "auto" with a layer cache that decode_attention.grouped_prompt_pays for); else no step lists them."""
+    if not (SHARED_PROMPT_SLOTS and GROUPED_PROMPT_ATTENTION):
+        return False
+    return GROUPED_PROMPT_ATTENTION is True or any(
+        grouped_prompt_pays(module._fastgrpo_kv[0]) for module in decoder.modules() if has_layer_cache(module))
 
 
 def _fill_prompt_groups(batch: _Batch, prompts: list[int]) -> None:

@@ -229,7 +229,7 @@ class EmbeddedGenerator:
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
         decoder = unwrap_for_generation(self.model)
         limit = learned_position_limit(decoder)
-        longest = max(map(len, prompts))
+        longest = max(map(len, prompt_ids))
         if limit is not None and longest + self.max_new_tokens > limit:
             raise ValueError(
                 f"a prompt of {longest} tokens with {self.max_new_tokens} new tokens needs {longest + self.max_new_tokens} "
