@@ -143,8 +143,30 @@ def test_the_prefill_runs_each_distinct_prompt_once(monkeypatch, shared_slots):
     assert greedy == [row for row in hf_greedy(model, batch, 8, eos=VOCAB + 1) for _ in range(4)]
     assert len({tuple(row) for row in sampled[:4]}) > 1  # the copies of one prompt sample apart
     caches = [m._fastgrpo_kv[0] for m in model.modules() if "_fastgrpo_kv" in m.__dict__]
-    copied = [bool(cache[3:, :, : widths[0][1]].any()) for cache in caches]
-    assert caches and copied == [not shared_slots] * len(caches)  # rows past the prefill's hold no prompt copy
+    layout = generator.engine._buffers.state.layout
+    assert caches and layout.is_compact == shared_slots
+    if shared_slots:  # the decoding rows take no memory for prompt slots: 3 prompt rows, 12 rows of completions
+        per_slot = caches[0].shape[1] * caches[0].shape[3] * caches[0].element_size()
+        assert layout.prompts == 3 and layout.buffer_slots < 12 * layout.slots
+        assert all(cache.untyped_storage().nbytes() == layout.buffer_slots * per_slot for cache in caches)
+    else:  # each row a copy of its prompt
+        assert all(bool(cache[3:, :, : widths[0][1]].any()) for cache in caches)
+
+
+def test_the_compact_cache_layout_takes_no_prompt_slots_for_decoding_rows():
+    """kv.CacheLayout: 64 rows of 8 prompts, 256 prompt and 512 completion slots: 72 x 512 + 768 slots (-23 %); one
+    prompt a row (nothing shared) stays plain; a call fits while its rows, prompts and lengths do."""
+    from fastgrpo.integrations.generation.kv import CacheLayout
+
+    compact = CacheLayout.best(64, 768, 256, 8)
+    assert compact.is_compact and compact.buffer_slots == 72 * 512 + 768 < 0.8 * 64 * 768
+    assert [compact.prompt_row(j) for j in (0, 7)] == [65, 72] and compact.view_rows == 73
+    assert not CacheLayout.best(64, 768, 256, 64).is_compact
+    long_prompts = CacheLayout.best(16, 1536, 1024, 2)  # prompt rows two completions apart
+    assert long_prompts.prompt_step == 2 and long_prompts.buffer_slots == (16 + 2 + 2) * 512 + 1536
+    assert compact.holds(64, 768, 256, 8) and compact.holds(32, 640, 128, 4)
+    assert not compact.holds(64, 768, 256, 9) and not compact.holds(64, 832, 320, 8)
+    assert not compact.holds(64, 832, 256, 8)  # completions longer than a row's room
 
 
 @pytest.mark.parametrize("mode, min_bytes, grouped_layers, compiled", [

@@ -189,7 +189,7 @@ def test_prompt_rows_and_prompt_len_come_together():
     inputs, options = case(0, 2, 1, 1, 16, 8, 2, torch.float32, None, None, False, False)
     with pytest.raises(ValueError, match="together"):
         decode_attention(**inputs, prompt_rows=torch.zeros(2, dtype=torch.long), **options)
-    with pytest.raises(ValueError, match="one per cache row"):
+    with pytest.raises(ValueError, match="one per decoding cache row"):
         decode_attention(**inputs, prompt_rows=torch.zeros(3, dtype=torch.long), prompt_len=torch.tensor(2), **options)
     with pytest.raises(ValueError, match="prompt_groups must be"):
         decode_attention(**inputs, prompt_rows=torch.zeros(2, dtype=torch.long), prompt_len=torch.tensor(2),
@@ -209,6 +209,125 @@ def test_grouped_prompt_pays_where_a_tokens_keys_and_values_are_large():
     assert grouped_prompt_pays(cache(8, 128, torch.float32))  # the bytes count, not the heads
 
 
+def compact_case(seed, rows, prompts, prompt_capacity, completion, hkv, group, d, dtype, window, grouped,
+                 device="cpu"):
+    """A compact-layout cache (kv.CacheLayout: decoding rows `completion` slots apart, prompts in rows of their own)
+    filled at random, and the same keys and values laid out plainly (each row a copy of its prompt)."""
+    from fastgrpo.integrations.generation.kv import CacheLayout
+
+    g = torch.Generator().manual_seed(seed)
+    slots = prompt_capacity + completion
+    layout = CacheLayout.compact(rows, slots, prompt_capacity, prompts)
+    prompt_len = int(torch.randint(1, prompt_capacity + 1, (1,), generator=g))
+    length = prompt_len + int(torch.randint(1, completion + 1, (1,), generator=g))  # the new slot: length - 1
+    source = torch.randint(0, prompts, (rows,), generator=g)
+    prompt_start = torch.randint(0, prompt_len, (prompts,), generator=g)
+    b = int(torch.randint(1, rows + 1, (1,), generator=g))
+    hq = hkv * group
+    compact, plain = [], []
+    for _ in range(2):  # keys, values
+        own = torch.randn(rows, hkv, slots, d, generator=g).to(device=device, dtype=dtype)
+        shared = torch.randn(prompts, hkv, slots, d, generator=g).to(device=device, dtype=dtype)
+        cache = layout.allocate(hkv, d, own)
+        layout.prompt_view(cache)[:prompts, :, :prompt_len] = shared[:, :, :prompt_len]
+        for r in range(rows):  # a row's own slots: [prompt_len, prompt_len + completion)
+            cache[r, :, prompt_len:prompt_len + completion] = own[r, :, prompt_len:prompt_len + completion]
+        copy = torch.zeros(rows, hkv, slots, d, dtype=dtype, device=device)
+        copy[:, :, :prompt_len] = shared[source.to(device), :, :prompt_len]
+        copy[:, :, prompt_len:] = own[:, :, prompt_len:]
+        compact.append(cache)
+        plain.append(copy)
+    common = dict(q=torch.randn(b, hq, d, generator=g).to(dtype), k_new=torch.randn(b, hkv, d, generator=g).to(dtype),
+                  v_new=torch.randn(b, hkv, d, generator=g).to(dtype), rows=torch.randperm(rows, generator=g)[:b],
+                  start=prompt_start[source], length=torch.tensor(length))
+    common = {k: v.to(device) for k, v in common.items()}
+    inputs = dict(common, k_cache=compact[0], v_cache=compact[1], prompt_rows=layout.prompt_row(source).to(device),
+                  prompt_len=torch.tensor(prompt_len, device=device))
+    if grouped:
+        inputs["prompt_groups"] = prompt_groups(source[common["rows"].cpu()].tolist(), g).to(device)
+    reference = dict({k: v.clone() for k, v in common.items()}, k_cache=plain[0], v_cache=plain[1])
+    options = dict(scale=d ** -0.5, window=window, softcap=None, sinks=None)
+    return layout, inputs, reference, options
+
+
+def check_compact(layout, inputs, reference, options, call):
+    """`call` on the compact cache gives the plain cache's output and writes each row's new slot into its own row,
+    leaving every prompt row and every other used slot as it was."""
+    prompt_len, length = int(inputs["prompt_len"]), int(inputs["length"])
+    prompts_before = [layout.prompt_view(c)[:layout.prompts, :, :prompt_len].clone()
+                      for c in (inputs["k_cache"], inputs["v_cache"])]
+    out = call(**inputs, **options)
+    want = decode_attention(**reference, **options)
+    dtype = inputs["q"].dtype
+    assert (out.double() - want.double()).abs().max().item() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+    for cache, plain, before in zip((inputs["k_cache"], inputs["v_cache"]), (reference["k_cache"],
+                                                                           reference["v_cache"]), prompts_before):
+        assert torch.equal(layout.prompt_view(cache)[:layout.prompts, :, :prompt_len], before)
+        for r in range(layout.rows):  # the row's written slots, the new one included where it decoded
+            assert torch.equal(cache[r, :, prompt_len:length], plain[r, :, prompt_len:length])
+
+
+compact_shapes = st.tuples(
+    st.integers(0, 2**16), st.integers(1, 9), st.integers(1, 4), st.integers(1, 40), st.integers(1, 40),
+    st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from([16, 32, 80]),
+    st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([None, 5]), st.booleans(), st.booleans(),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(compact_shapes)
+def test_a_compact_cache_reads_and_writes_as_a_plain_one(params):
+    """The rollout engine's compact layout (rows overlapping in memory; kv.CacheLayout) through the torch path and
+    the Triton kernels (interpreter): the output of a plain cache holding the same keys and values, the new slot in
+    the row's own memory, nothing used overwritten."""
+    seed, rows, prompts, capacity, completion, hkv, group, d, dtype, window, grouped, triton_path = params
+    layout, inputs, reference, options = compact_case(seed, rows, prompts, capacity, completion, hkv, group, d, dtype,
+                                                      window, grouped)
+    if triton_path:
+        with triton_on_cpu():
+            check_compact(layout, inputs, reference, options, lambda **kw: _triton_decode(**kw, splits=2))
+    else:
+        inputs.pop("prompt_groups", None)
+        check_compact(layout, inputs, reference, options, decode_attention)
+
+
+def test_compiled_call_on_a_compact_cache_writes_it_in_place():
+    """Inside an inductor graph, a cache whose rows overlap in memory is written in place (no copy of it) and the
+    output is the eager one's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    layout, inputs, reference, options = compact_case(7, 6, 2, 12, 20, 2, 2, 16, torch.float32, None, False)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, kv):
+            super().__init__()
+            self.kv = kv
+
+        def forward(self, q, k, v, rows, start, length, prompt_rows, prompt_len):
+            return decode_attention(q * 2, k, v, self.kv[0], self.kv[1], rows, start, length, scale=0.25,
+                                    prompt_rows=prompt_rows, prompt_len=prompt_len) + 1
+
+    def buffer(cache):  # the whole buffer under a compact cache view
+        return cache.as_strided((cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_kv = tuple(layout.allocate(c.shape[1], c.shape[3], c) for c in (inputs["k_cache"], inputs["v_cache"]))
+    for mine, theirs in zip(eager_kv, (inputs["k_cache"], inputs["v_cache"])):
+        buffer(mine).copy_(buffer(theirs))
+    layer = Layer((inputs["k_cache"], inputs["v_cache"]))
+    args = [inputs[k] for k in ("q", "k_new", "v_new", "rows", "start", "length", "prompt_rows", "prompt_len")]
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), *args)
+        want = Layer(eager_kv)(*args)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert "copy_" not in code and "clone" not in code  # the op wrote the module's cache tensors themselves
+    torch.testing.assert_close(out, want)
+    for mine, theirs in zip(layer.kv, eager_kv):
+        assert torch.equal(buffer(mine), buffer(theirs))
+
+
 def test_no_backward():
     inputs, options = case(0, 1, 1, 1, 16, 8, 1, torch.float32, None, None, False, False)
     inputs["q"].requires_grad_(True)
@@ -226,6 +345,15 @@ def test_gpu_kernel_at_real_shapes(shape, shared):
     inputs, options = case(0, b, hkv, group, d, 1024, b + 8, torch.bfloat16, window, softcap, False, False, "cuda",
                            shared=shared)
     run(inputs, options, decode_attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gpu_kernel_on_a_compact_cache(grouped):
+    """The engine's compact layout at Phi-3-mini's heads: 64 rows of 8 prompts, 256 + 512 slots."""
+    layout, inputs, reference, options = compact_case(2, 64, 8, 256, 512, 32, 1, 96, torch.bfloat16, 2047, grouped,
+                                                      device="cuda")
+    check_compact(layout, inputs, reference, options, decode_attention)
 
 
 @pytest.mark.gpu

@@ -4,14 +4,16 @@
 prompt_rows=, prompt_len=)`:
 - q [b, Hq, D]: this step's query of each batch row; k_new, v_new [b, Hkv, D]: its key and value.
 - k_cache, v_cache [R, Hkv, L, D]: the cache; batch row i lives in cache row rows[i] (a compacted batch is a subset).
+  Any strides with a unit last one; rows may overlap in memory where no slot the op reads or writes is shared (the
+  rollout engine's compact layout: a decoding row's prompt slots alias another row's completion slots).
 - start [R]: a cache row's first valid slot (left padding); length (0-d device tensor): slots written once this
   step's key is in, the same for every row (the query sits at slot length - 1).
 - The op writes k_new / v_new at slot length - 1 of each batch row's cache row, then attends over the row's slots
   [start, length) - the last `window` of them for a sliding-window layer - with `softcap` (c * tanh(s / c), after
   the scale) and `sinks` (one logit per query head that joins the softmax's denominator and carries no value).
-- prompt_rows [R], prompt_len (0-d device tensor), both or neither: slots [0, prompt_len) of cache row r are read
-  from cache row prompt_rows[r] (rows that share a prompt keep one copy of its keys and values). The new slot must
-  lie at or after prompt_len.
+- prompt_rows [R'] (R' <= R: the rows that decode), prompt_len (0-d device tensor), both or neither: slots
+  [0, prompt_len) of cache row r are read from cache row prompt_rows[r] (rows that share a prompt keep one copy of its
+  keys and values). The new slot must lie at or after prompt_len.
 - prompt_groups [N, PROMPT_GROUP_ROWS] (with prompt_rows): batch rows listed by the prompt they share, -1 after the
   last of an entry; every batch row in exactly one entry, an entry's rows of one prompt row and one start. The
   prompt slots are then attended once per entry for all its rows' queries: each prompt key and value is read once
@@ -380,9 +382,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, rows, start, length, *, 
                          f"{tuple(k_cache.shape)}")
     if (prompt_rows is None) != (prompt_len is None):
         raise ValueError("give prompt_rows and prompt_len together (the prompt slots and the rows holding them)")
-    if prompt_rows is not None and (prompt_rows.shape != (k_cache.shape[0],) or prompt_len.dim() != 0):
-        raise ValueError(f"prompt_rows must be [{k_cache.shape[0]}] (one per cache row) and prompt_len 0-d; got "
-                         f"{tuple(prompt_rows.shape)} and {tuple(prompt_len.shape)}")
+    if prompt_rows is not None and (prompt_rows.dim() != 1 or prompt_rows.shape[0] > k_cache.shape[0]
+                                    or prompt_len.dim() != 0):
+        raise ValueError(f"prompt_rows must be [R'] with R' <= {k_cache.shape[0]} (one per decoding cache row) and "
+                         f"prompt_len 0-d; got {tuple(prompt_rows.shape)} and {tuple(prompt_len.shape)}")
     if prompt_groups is not None and (prompt_rows is None or prompt_groups.dim() != 2
                                       or prompt_groups.shape[1] != PROMPT_GROUP_ROWS):
         raise ValueError(f"prompt_groups must be [entries, {PROMPT_GROUP_ROWS}] batch rows, with prompt_rows; got "

@@ -33,6 +33,7 @@ from fastgrpo.integrations.generation.adapters import CompactAdapters, MergedAda
 from fastgrpo.integrations.generation.experts import capturable_experts
 from fastgrpo.integrations.generation.kv import (
     ATTN_IMPLEMENTATION,
+    CacheLayout,
     NotRolloutAttention,
     RolloutCache,
     RolloutState,
@@ -47,8 +48,9 @@ from fastgrpo.kernels._graphs import capturing
 from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS, grouped_prompt_pays
 
 
-# Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`); False copies them
-# into every row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
+# Rows that share a prompt read its keys and values from the cache row the prefill wrote (`kv.py`), in a cache whose
+# decoding rows take no memory for prompt slots where that is smaller (`kv.CacheLayout`); False copies them into every
+# row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
 SHARED_PROMPT_SLOTS = True
 # With SHARED_PROMPT_SLOTS: the decode attention attends a group's prompt once a step for all its rows
 # (decode_attention's prompt_groups): "auto" in the layers where decode_attention.grouped_prompt_pays (a token's KV
@@ -261,15 +263,21 @@ class RolloutEngine:
         self._pool = None
         self._merged.release()
 
-    def _ensure_buffers(self, decoder: nn.Module, rows: int, slots: int, vocab: int, device, penalty: bool) -> _Buffers:
+    def _ensure_buffers(self, decoder: nn.Module, rows: int, slots: int, prompt_len: int, prompts: int, vocab: int,
+                        device, penalty: bool) -> _Buffers:
+        """The buffers for a call of `rows` rows, `slots` slots and `prompts` distinct prompts of `prompt_len` padded
+        tokens: the last call's where its cache layout holds this one, else new ones (and new caches and graphs)."""
         b = self._buffers
-        if b is None or b.rows < rows or b.slots < slots or b.last.device != device or self._decoder is not decoder:
+        if (b is None or not b.state.layout.holds(rows, slots, prompt_len, prompts) or b.last.device != device
+                or self._decoder is not decoder or (b.state.layout.is_compact and not SHARED_PROMPT_SLOTS)):
             self.release()  # the layers' caches are allocated again at this call's prefill
             self._decoder = decoder
             long = dict(dtype=torch.long, device=device)
+            layout = (CacheLayout.best(rows, slots, prompt_len, prompts) if SHARED_PROMPT_SLOTS
+                      else CacheLayout.plain(rows, slots))
             state = RolloutState(rows=torch.arange(rows, device=device), start=torch.zeros(rows, **long),
                                  length=torch.zeros((), **long), prompt_rows=torch.arange(rows, device=device),
-                                 prompt_len=torch.zeros((), **long), cache_rows=rows, slots=slots)
+                                 prompt_len=torch.zeros((), **long), layout=layout)
             b = _Buffers(
                 rows=rows, slots=slots, state=state,
                 last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
@@ -356,8 +364,13 @@ class RolloutEngine:
         slots = round_up(prompt_len + self.max_new_tokens, multiple)
         vocab = decoder.get_output_embeddings().weight.shape[0]
         penalty = sampling.repetition_penalty != 1.0
-        b = self._ensure_buffers(decoder, batch, slots, vocab, device, penalty)
+        # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once, into the cache
+        # layout's prompt rows; the rows of its completions read its slots there (or get a copy: SHARED_PROMPT_SLOTS).
+        distinct = {}
+        sources = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        b = self._ensure_buffers(decoder, batch, slots, prompt_len, len(distinct), vocab, device, penalty)
         state = b.state
+        layout = state.layout
 
         input_ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long)
         for row, p in enumerate(prompts):
@@ -378,20 +391,17 @@ class RolloutEngine:
             self._probe_rows = longest if start.max() == start.min() else torch.cat([longest, shortest])
             self._probe_starts = start[self._probe_rows].tolist()
 
-        # GRPO repeats each prompt once per completion: the prefill runs each distinct prompt once, into cache rows
-        # [0, distinct); the rows of its completions read its slots there (or get a copy: SHARED_PROMPT_SLOTS).
-        distinct = {}
-        sources = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         source = torch.tensor(sources, device=device)
         firsts = torch.tensor([prompts.index(list(p)) for p in distinct], device=device)
         with self._decoding(decoder, state):
             logits = self._prefill(decoder, input_ids[firsts], start[firsts], b, len(distinct))[source]
-            state.prompt_rows.copy_(torch.arange(b.rows, device=device))
+            state.prompt_rows.fill_(layout.prompt_row(0))  # rows past this call's: any row the cache has
+            if SHARED_PROMPT_SLOTS or len(distinct) == batch:
+                state.prompt_rows[:batch] = layout.prompt_row(source)
+            else:  # a plain layout: each row a copy
+                _spread_prompt_rows(decoder, source, prompt_len)
+                state.prompt_rows.copy_(torch.arange(b.rows, device=device))
             if len(distinct) < batch:
-                if SHARED_PROMPT_SLOTS:
-                    state.prompt_rows[:batch] = source
-                else:
-                    _spread_prompt_rows(decoder, source, prompt_len)
                 for states in self._states:
                     states.spread(source)
             for states in self._states:

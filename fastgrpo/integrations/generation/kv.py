@@ -21,6 +21,12 @@ Rows that share a prompt (GRPO's group) read its slots from the one cache row th
 large: `decode_attention.grouped_prompt_pays`) the decode attention attends to them once a step for all the group's
 rows.
 The token at slot s has position s - start (real tokens only, as `model.generate` counts them).
+
+Memory (`CacheLayout`): a cache tensor is a strided view [rows, kv_heads, slots, head_dim] of one buffer, a slot's
+heads side by side. Rows that only decode never touch their prompt slots, so in the compact layout consecutive rows lie
+`completion` slots apart: row r's prompt slots overlap row r-1's completion slots, which are the ones it uses, and the
+prefill writes each distinct prompt into a row of its own past all of them. A group of 8 completions of 512 tokens
+after a 256-token prompt then takes 37.6k slots instead of 49.2k (-23 %).
 """
 from __future__ import annotations
 
@@ -50,13 +56,20 @@ class RolloutState:
     length: torch.Tensor  # 0-d int64: slots written so far, this step's token included
     prompt_rows: torch.Tensor  # [cache rows] int64: the cache row holding each row's prompt slots
     prompt_len: torch.Tensor  # 0-d int64: the padded prompt length (prompt slots are [0, prompt_len))
-    cache_rows: int  # rows of the cache tensors to allocate at the prefill
-    slots: int  # slots of the cache tensors to allocate at the prefill
+    layout: CacheLayout  # how the layer caches are allocated at the prefill (cache_rows decoding rows, slots)
     prompt_groups: torch.Tensor | None = None  # [entries, 8]: batch rows by shared prompt (decode_attention)
     prompt_groups_everywhere: bool = False  # pass prompt_groups to every layer, not only where grouped_prompt_pays
     prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
     prefill_calls: int = 0  # attention calls in the prefill (each layer's must reach this function)
     prefill_modules: set = field(default_factory=set)  # ids of the attention modules the prefill called
+
+    @property
+    def cache_rows(self) -> int:
+        return self.layout.rows
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
 
 
 class RolloutCache(Cache):
@@ -106,13 +119,91 @@ class NotRolloutAttention(RuntimeError):
     """The model did not call the rollout attention as the engine needs it (the generator falls back)."""
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where slot s of cache row r lies: element ((r * completion + s) * kv_heads + h) * head_dim + d of one buffer.
+
+    Rows [0, rows) decode; distinct prompt j is written to row `prompt_row(j)`, and decoding rows read prompt slots
+    only from there (`prompt_rows`). `plain`: rows `slots` apart, prompt j in row j (rows hold prompt copies when
+    `SHARED_PROMPT_SLOTS` is off). `compact`: rows `completion` = slots - prompt_capacity apart, so a decoding row's
+    completion slots [prompt_len, prompt_len + completion) (prompt_len <= prompt_capacity) lie within
+    [r * completion, (r + 1) * completion + prompt_capacity), disjoint from every other row's; its prompt slots alias
+    row r - 1's and are never read or written. Prompt rows lie past all decoding rows, `prompt_step` rows apart (at
+    least prompt_capacity slots), so no slot of theirs aliases a used one."""
+
+    rows: int
+    slots: int
+    completion: int  # slots between consecutive rows
+    prompt_first: int = 0
+    prompt_step: int = 1
+    prompts: int = 0  # prompt rows past the decoding rows (compact only)
+
+    @classmethod
+    def plain(cls, rows: int, slots: int) -> CacheLayout:
+        return cls(rows, slots, slots)
+
+    @classmethod
+    def compact(cls, rows: int, slots: int, prompt_capacity: int, prompts: int) -> CacheLayout:
+        completion = slots - prompt_capacity
+        step = -(-prompt_capacity // completion)
+        return cls(rows, slots, completion, rows + step, step, prompts)
+
+    @classmethod
+    def best(cls, rows: int, slots: int, prompt_capacity: int, prompts: int) -> CacheLayout:
+        """The compact layout where it takes fewer slots than the plain one, else the plain one."""
+        plain = cls.plain(rows, slots)
+        if prompts < 1 or prompt_capacity >= slots:
+            return plain
+        compact = cls.compact(rows, slots, prompt_capacity, prompts)
+        return compact if compact.buffer_slots < plain.buffer_slots else plain
+
+    @property
+    def is_compact(self) -> bool:
+        return self.completion != self.slots
+
+    @property
+    def prompt_capacity(self) -> int:
+        return self.slots - self.completion
+
+    @property
+    def view_rows(self) -> int:
+        return self.prompt_first + (self.prompts - 1) * self.prompt_step + 1 if self.is_compact else self.rows
+
+    @property
+    def buffer_slots(self) -> int:
+        return (self.view_rows - 1) * self.completion + self.slots
+
+    def holds(self, rows: int, slots: int, prompt_len: int, prompts: int) -> bool:
+        """Whether a call of `rows` rows, `slots` slots and `prompts` distinct prompts of `prompt_len` padded tokens
+        fits this layout."""
+        if self.is_compact:
+            return (rows <= self.rows and prompts <= self.prompts and prompt_len <= self.prompt_capacity
+                    and slots - prompt_len <= self.completion)
+        return rows <= self.rows and slots <= self.slots
+
+    def prompt_row(self, prompt: torch.Tensor | int):
+        return self.prompt_first + prompt * self.prompt_step
+
+    def prompt_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache's prompt rows: row j holds distinct prompt j (what the prefill writes)."""
+        return cache[self.prompt_first::self.prompt_step]
+
+    def allocate(self, kv_heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed [view_rows, kv_heads, slots, head_dim] view of one buffer, of `like`'s dtype and device."""
+        buffer = like.new_zeros(self.buffer_slots * kv_heads * head_dim)
+        return buffer.as_strided((self.view_rows, kv_heads, self.slots, head_dim),
+                                 (self.completion * kv_heads * head_dim, head_dim, kv_heads * head_dim, 1))
+
+
 def _layer_cache(module, key: torch.Tensor, state: RolloutState) -> tuple[torch.Tensor, torch.Tensor]:
-    """The module's cache tensors, (re)allocated at the prefill when missing or of another shape/dtype."""
+    """The module's cache tensors, (re)allocated at the prefill when missing or of another layout, shape or dtype."""
     kv = module.__dict__.get(_KV_ATTRIBUTE)
-    shape = (state.cache_rows, key.shape[1], state.slots, key.shape[3])
-    if kv is None or kv[0].shape != shape or kv[0].dtype != key.dtype or kv[0].device != key.device:
+    layout = state.layout
+    shape = (layout.view_rows, key.shape[1], layout.slots, key.shape[3])
+    if (kv is None or kv[0].shape != shape or kv[0].stride(0) != layout.completion * shape[1] * shape[3]
+            or kv[0].dtype != key.dtype or kv[0].device != key.device):
         module.__dict__[_KV_ATTRIBUTE] = None  # free the old tensors first
-        kv = (key.new_zeros(shape), key.new_zeros(shape))
+        kv = (layout.allocate(shape[1], shape[3], key), layout.allocate(shape[1], shape[3], key))
         module.__dict__[_KV_ATTRIBUTE] = kv
     return kv
 
@@ -174,12 +265,13 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
             f"{type(module).__name__} is called more than once per forward: one cache a module cannot hold its calls"
         )
     state.prefill_modules.add(id(module))
-    k_cache, v_cache = _layer_cache(module, key, state)
+    k_cache, v_cache = (state.layout.prompt_view(cache) for cache in _layer_cache(module, key, state))
     return prefill_attention(query, key, value, k_cache, v_cache, state.start, scale, window, softcap, s_aux), None
 
 
 def prefill_attention(query, key, value, k_cache, v_cache, start, scale, window, softcap, sinks):
-    """Write a whole left-padded prompt batch into cache rows [0, b), slots [0, q), and attend causally within it.
+    """Write a whole left-padded prompt batch into rows [0, b), slots [0, q) of the caches given (the layout's prompt
+    rows), and attend causally within it.
 
     Query slot i sees key slot j when start <= j <= i (and i - j < window); a padding query sees itself only, so no
     row of the softmax is empty. Returns [b, q, Hq, D]."""
