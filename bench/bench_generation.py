@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--grouped-prompt", type=harness.grouped_mode, default="auto",
                    help="a group's prompt attended once a step for all its rows (engine.GROUPED_PROMPT_ATTENTION): 1 in "
                    "every layer, 0 in none, auto (default) where a token's KV is large")
+    p.add_argument("--autotune", type=int, default=None,
+                   help="1/0: inductor's max-autotune for the decode layer's GEMMs (engine.DECODE_AUTOTUNE)")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
@@ -99,6 +101,16 @@ def cache_bytes(model) -> tuple[int, int]:
         if states is not None:
             state += states.bytes_per_row
     return kv, state
+
+
+def cache_storage_gib(model) -> float:
+    """GiB of the KV cache buffers the engine holds (each layer's keys and values; a compact layout's views overlap,
+    their buffers do not)."""
+    storages = {}
+    for module in model.modules():
+        for cache in module.__dict__.get("_fastgrpo_kv") or ():
+            storages[cache.untyped_storage().data_ptr()] = cache.untyped_storage().nbytes()
+    return sum(storages.values()) / 2**30
 
 
 def expert_banks(model) -> list[tuple[int, int, int, int]]:
@@ -164,6 +176,8 @@ def main(argv=None):
     adapters.JOIN_QKV = bool(args.join_qkv)
     engine_module.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
     engine_module.GROUPED_PROMPT_ATTENTION = args.grouped_prompt
+    if args.autotune is not None:
+        engine_module.DECODE_AUTOTUNE = bool(args.autotune)
     if args.fused_sampling is not None:
         sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -225,6 +239,7 @@ def main(argv=None):
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
                    join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
                    shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=args.grouped_prompt,
+                   autotune=engine_module.DECODE_AUTOTUNE, cache_gib=cache_storage_gib(decoder),
                    seconds=seconds, copy_tbps=harness.copy_tbps(),
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,
                    share_of_limit=limit / seconds, fallback=generator.fallback,

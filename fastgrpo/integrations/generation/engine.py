@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import types
 from dataclasses import dataclass, field
 
@@ -56,6 +57,9 @@ SHARED_PROMPT_SLOTS = True
 # (decode_attention's prompt_groups): "auto" in the layers where decode_attention.grouped_prompt_pays (a token's KV
 # of 8 KiB and more: Phi-3-mini's generation 4.64 -> 3.81 s a step), True in every layer, False in none.
 GROUPED_PROMPT_ATTENTION = "auto"
+# Inductor's max-autotune for the decode layer's GEMMs (cuBLAS against Triton templates, timed per shape at its
+# compile): `FASTGRPO_DECODE_AUTOTUNE=1`, or `python bench/bench_generation.py --autotune 1` for the A/B.
+DECODE_AUTOTUNE = os.environ.get("FASTGRPO_DECODE_AUTOTUNE", "0") == "1"
 
 
 class RecompileStorm(RuntimeError):
@@ -136,7 +140,10 @@ class _CountingBackend:
         # The inductor config a fastgrpo-compiled graph gets on CUDA (no host vector-ISA probes), for any backend.
         from torch._inductor import config as inductor_config
 
-        with inductor_config.patch(cpu_vector_probe_off(example_inputs)):
+        patches = cpu_vector_probe_off(example_inputs)
+        if DECODE_AUTOTUNE:
+            patches.update({"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"})
+        with inductor_config.patch(patches):
             return self.inner(gm, example_inputs)
 
 
