@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import types
 from dataclasses import dataclass, field
 
@@ -53,13 +52,13 @@ from fastgrpo.kernels.decode_attention import PROMPT_GROUP_ROWS, grouped_prompt_
 # decoding rows take no memory for prompt slots where that is smaller (`kv.CacheLayout`); False copies them into every
 # row first (the A/B of `python bench/bench_generation.py --generations 8 --shared-prompt-slots 0`).
 SHARED_PROMPT_SLOTS = True
+# With SHARED_PROMPT_SLOTS: the compact cache layout where it is smaller; False keeps every row's prompt slots (the A/B
+# of `python bench/bench_generation.py --generations 8 --compact-cache 0`).
+COMPACT_CACHE = True
 # With SHARED_PROMPT_SLOTS: the decode attention attends a group's prompt once a step for all its rows
 # (decode_attention's prompt_groups): "auto" in the layers where decode_attention.grouped_prompt_pays (a token's KV
 # of 8 KiB and more: Phi-3-mini's generation 4.64 -> 3.81 s a step), True in every layer, False in none.
 GROUPED_PROMPT_ATTENTION = "auto"
-# Inductor's max-autotune for the decode layer's GEMMs (cuBLAS against Triton templates, timed per shape at its
-# compile): `FASTGRPO_DECODE_AUTOTUNE=1`, or `python bench/bench_generation.py --autotune 1` for the A/B.
-DECODE_AUTOTUNE = os.environ.get("FASTGRPO_DECODE_AUTOTUNE", "0") == "1"
 
 
 class RecompileStorm(RuntimeError):
@@ -140,10 +139,7 @@ class _CountingBackend:
         # The inductor config a fastgrpo-compiled graph gets on CUDA (no host vector-ISA probes), for any backend.
         from torch._inductor import config as inductor_config
 
-        patches = cpu_vector_probe_off(example_inputs)
-        if DECODE_AUTOTUNE:
-            patches.update({"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"})
-        with inductor_config.patch(patches):
+        with inductor_config.patch(cpu_vector_probe_off(example_inputs)):
             return self.inner(gm, example_inputs)
 
 
@@ -276,11 +272,12 @@ class RolloutEngine:
         tokens: the last call's where its cache layout holds this one, else new ones (and new caches and graphs)."""
         b = self._buffers
         if (b is None or not b.state.layout.holds(rows, slots, prompt_len, prompts) or b.last.device != device
-                or self._decoder is not decoder or (b.state.layout.is_compact and not SHARED_PROMPT_SLOTS)):
+                or self._decoder is not decoder
+                or (b.state.layout.is_compact and not (SHARED_PROMPT_SLOTS and COMPACT_CACHE))):
             self.release()  # the layers' caches are allocated again at this call's prefill
             self._decoder = decoder
             long = dict(dtype=torch.long, device=device)
-            layout = (CacheLayout.best(rows, slots, prompt_len, prompts) if SHARED_PROMPT_SLOTS
+            layout = (CacheLayout.best(rows, slots, prompt_len, prompts) if SHARED_PROMPT_SLOTS and COMPACT_CACHE
                       else CacheLayout.plain(rows, slots))
             state = RolloutState(rows=torch.arange(rows, device=device), start=torch.zeros(rows, **long),
                                  length=torch.zeros((), **long), prompt_rows=torch.arange(rows, device=device),
