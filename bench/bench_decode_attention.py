@@ -19,18 +19,24 @@ sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels.decode_attention import decode_attention  # noqa: E402
 
-SHAPES = {"qwen2.5-1.5b": None, "gemma-3-1b": 512, "phi-3-mini": None}  # shape -> its sliding layers' window
+SHAPES = {"qwen2.5-1.5b": None, "gemma-3-1b": 512, "phi-3-mini": None, "llama-3.1-8b": None}  # -> sliding window
 GROUP = 8  # rows a prompt in the shared-prompt column
 
 
 graph_ms = harness.graph_ms
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = p.parse_args(argv)
     rows_out = []
     bandwidth = harness.copy_tbps() * 1e12
     dev = "cuda"
-    for shape, window in SHAPES.items():
+    for shape in args.shapes:
+        window = SHAPES[shape]
         hq, hkv, d = harness.attention_shape(shape)
         for b in (8, 32, 128, 256):
             for slots in (512, 1024, 2048):

@@ -106,7 +106,7 @@ run_step() {
     # Rollouts: the engine's tokens/s against the weight + KV read limit (GENERATION_ARGS, e.g. --shape gemma3-1b),
     # and its decode attention kernel against SDPA over the whole cache.
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
-    decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ;;
+    decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ${DECODE_ATTENTION_ARGS:-} ;;
     # Rollouts of a hybrid decoder (gated DeltaNet + attention: bench/_harness.py's qwen3.5-text-defaults), and
     # its GPU tests (CUDA-graph decode of hybrids, tests/test_generation_recurrent.py).
     hybrid) step hybrid_tests 200 "$OURS" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 190 -rfE --tb=short tests/test_generation_recurrent.py
