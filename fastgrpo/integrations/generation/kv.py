@@ -24,8 +24,8 @@ The token at slot s has position s - start (real tokens only, as `model.generate
 
 Memory (`CacheLayout`): a cache tensor is a strided view [rows, kv_heads, slots, head_dim] of one buffer with a plane
 per KV head, in which a row's slots of the head are contiguous (as in a contiguous cache: the decode kernel reads a
-row's head as one run). Rows that only decode never touch their prompt slots, so in the compact layout consecutive rows
-lie `completion` slots apart in each plane: row r's prompt slots overlap row r-1's completion slots, which are the ones it uses, and the
+row's head as one run). Rows that only decode never touch their prompt slots, so in the compact layout consecutive
+rows lie `completion` slots apart in each plane: row r's prompt slots overlap row r-1's completion slots, and the
 prefill writes each distinct prompt into a row of its own past all of them. A group of 8 completions of 512 tokens
 after a 256-token prompt then takes 37.6k slots instead of 49.2k (-23 %).
 """
@@ -60,7 +60,7 @@ class RolloutState:
     layout: CacheLayout  # how the layer caches are allocated at the prefill (cache_rows decoding rows, slots)
     prompt_groups: torch.Tensor | None = None  # [entries, 8]: batch rows by shared prompt (decode_attention)
     prompt_groups_everywhere: bool = False  # pass prompt_groups to every layer, not only where grouped_prompt_pays
-    prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of rows [0, b)
+    prefill: bool = False  # the prompt pass: allocate the layer caches, write slots [0, q) of the prompt rows
     prefill_calls: int = 0  # attention calls in the prefill (each layer's must reach this function)
     prefill_modules: set = field(default_factory=set)  # ids of the attention modules the prefill called
 
@@ -122,8 +122,8 @@ class NotRolloutAttention(RuntimeError):
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Where slot s of cache row r lies: element ((h * buffer_slots + r * completion + s) * head_dim + d of one
-    buffer (plane h of kv head h).
+    """Where slot s of cache row r lies: element (h * buffer_slots + r * completion + s) * head_dim + d of one buffer
+    for KV head h (its plane).
 
     Rows [0, rows) decode; distinct prompt j is written to row `prompt_row(j)`, and decoding rows read prompt slots
     only from there (`prompt_rows`). `plain`: rows `slots` apart, prompt j in row j (rows hold prompt copies when
