@@ -192,7 +192,6 @@ class _Buffers:
     """Per-cache-row state the step reads and writes in place (allocated for `rows` cache rows)."""
 
     rows: int
-    slots: int
     state: RolloutState  # start [rows], length (0-d): slots written, prompt_rows [rows], prompt_len (0-d)
     last: torch.Tensor  # [rows] the token each row feeds next
     finished: torch.Tensor  # [rows] bool
@@ -271,19 +270,19 @@ class RolloutEngine:
         """The buffers for a call of `rows` rows, `slots` slots and `prompts` distinct prompts of `prompt_len` padded
         tokens: the last call's where its cache layout holds this one, else new ones (and new caches and graphs)."""
         b = self._buffers
+        compact = SHARED_PROMPT_SLOTS and COMPACT_CACHE
         if (b is None or not b.state.layout.holds(rows, slots, prompt_len, prompts) or b.last.device != device
-                or self._decoder is not decoder
-                or (b.state.layout.is_compact and not (SHARED_PROMPT_SLOTS and COMPACT_CACHE))):
+                or self._decoder is not decoder or (b.state.layout.is_compact and not compact)):
             self.release()  # the layers' caches are allocated again at this call's prefill
             self._decoder = decoder
             long = dict(dtype=torch.long, device=device)
-            layout = (CacheLayout.best(rows, slots, prompt_len, prompts) if SHARED_PROMPT_SLOTS and COMPACT_CACHE
+            layout = (CacheLayout.best(rows, slots, prompt_len, prompts) if compact
                       else CacheLayout.plain(rows, slots))
             state = RolloutState(rows=torch.arange(rows, device=device), start=torch.zeros(rows, **long),
                                  length=torch.zeros((), **long), prompt_rows=torch.arange(rows, device=device),
                                  prompt_len=torch.zeros((), **long), layout=layout)
             b = _Buffers(
-                rows=rows, slots=slots, state=state,
+                rows=rows, state=state,
                 last=torch.zeros(rows, **long), finished=torch.ones(rows, dtype=torch.bool, device=device),
                 completion=torch.zeros(rows, self.max_new_tokens, **long),
                 logprobs=torch.zeros(rows, self.max_new_tokens, device=device),

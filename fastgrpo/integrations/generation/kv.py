@@ -68,10 +68,6 @@ class RolloutState:
     def cache_rows(self) -> int:
         return self.layout.rows
 
-    @property
-    def slots(self) -> int:
-        return self.layout.slots
-
 
 class RolloutCache(Cache):
     """`past_key_values` for the rollout engine: keys and values pass through (the attention function stores them)."""
@@ -190,23 +186,26 @@ class CacheLayout:
         """The cache's prompt rows: row j holds distinct prompt j (what the prefill writes)."""
         return cache[self.prompt_first::self.prompt_step]
 
+    def shape(self, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+        return (self.view_rows, kv_heads, self.slots, head_dim)
+
+    def strides(self, head_dim: int) -> tuple[int, int, int, int]:
+        return (self.completion * head_dim, self.buffer_slots * head_dim, head_dim, 1)
+
     def allocate(self, kv_heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
-        """A zeroed [view_rows, kv_heads, slots, head_dim] view of one buffer, of `like`'s dtype and device."""
+        """A zeroed `shape` view of one buffer with `strides`, of `like`'s dtype and device."""
         buffer = like.new_zeros(kv_heads * self.buffer_slots * head_dim)
-        return buffer.as_strided((self.view_rows, kv_heads, self.slots, head_dim),
-                                 (self.completion * head_dim, self.buffer_slots * head_dim, head_dim, 1))
+        return buffer.as_strided(self.shape(kv_heads, head_dim), self.strides(head_dim))
 
 
 def _layer_cache(module, key: torch.Tensor, state: RolloutState) -> tuple[torch.Tensor, torch.Tensor]:
     """The module's cache tensors, (re)allocated at the prefill when missing or of another layout, shape or dtype."""
     kv = module.__dict__.get(_KV_ATTRIBUTE)
-    layout = state.layout
-    shape = (layout.view_rows, key.shape[1], layout.slots, key.shape[3])
-    if (kv is None or kv[0].shape != shape or kv[0].stride()[:2] != (layout.completion * shape[3],
-                                                                      layout.buffer_slots * shape[3])
+    layout, heads, dim = state.layout, key.shape[1], key.shape[3]
+    if (kv is None or kv[0].shape != layout.shape(heads, dim) or kv[0].stride() != layout.strides(dim)
             or kv[0].dtype != key.dtype or kv[0].device != key.device):
         module.__dict__[_KV_ATTRIBUTE] = None  # free the old tensors first
-        kv = (layout.allocate(shape[1], shape[3], key), layout.allocate(shape[1], shape[3], key))
+        kv = (layout.allocate(heads, dim, key), layout.allocate(heads, dim, key))
         module.__dict__[_KV_ATTRIBUTE] = kv
     return kv
 
