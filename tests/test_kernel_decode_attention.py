@@ -1,6 +1,8 @@
 """fastgrpo::decode_attention against a float64 reference: ragged starts, compacted rows, GQA ratios, head dims,
 sliding windows, softcaps, sinks, prompt slots read from another row, dtypes and strides; the cache write; compiled
 and captured calls."""
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -68,6 +70,22 @@ def expected(inputs, options):
     return out, double["k_cache"], double["v_cache"]
 
 
+@contextlib.contextmanager
+def nan_scratch():
+    """The kernels' scratch (torch.empty) filled with NaN: an empty split's partials must be neither stored nor read."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = filled
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
 def run(inputs, options, call):
     """`call(**inputs, **options)` on the inputs (it writes their caches); checked against the reference run on the
     inputs as they were before."""
@@ -98,7 +116,7 @@ def test_triton_kernel_matches_the_float64_reference(params):
     seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared = params
     inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
                            shared=shared)
-    with triton_on_cpu():
+    with triton_on_cpu(), nan_scratch():
         run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1),
                                                          prompt_splits=splits if shared == "groups" else None))
 
@@ -114,7 +132,7 @@ def test_torch_path_matches_the_float64_reference(params):
 
 def test_head_dim_256_with_window_and_softcap_and_many_splits():
     inputs, options = case(3, 2, 1, 4, 256, 70, 3, torch.float32, 16, 20.0, False, False)
-    with triton_on_cpu():  # more splits than blocks: empty splits combine to 0
+    with triton_on_cpu(), nan_scratch():  # more splits than blocks: empty splits weigh nothing
         run(inputs, options, lambda **kw: _triton_decode(**kw, splits=5))
 
 

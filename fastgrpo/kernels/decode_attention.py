@@ -160,7 +160,7 @@ def _decode_partial_kernel(
     out = (i * (G * tl.num_programs(1)) + heads) * PART_SPLITS + PART_BASE + s
     tl.store(part_m_ptr + out, m, mask=g_ok)
     tl.store(part_l_ptr + out, l, mask=g_ok)
-    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=(g_ok & (m > float("-inf")))[:, None])
 
 
 @triton.jit
@@ -220,7 +220,7 @@ def _decode_prompt_kernel(
     out = (position * (G * tl.num_programs(1)) + heads) * PART_SPLITS + s
     tl.store(part_m_ptr + out, m, mask=valid)
     tl.store(part_l_ptr + out, l, mask=valid)
-    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=valid[:, None])
+    tl.store(part_o_ptr + out[:, None] * D_PAD + d[None, :], acc, mask=(valid & (m > float("-inf")))[:, None])
 
 
 @triton.jit
@@ -236,7 +236,8 @@ def _decode_combine_kernel(
     base = (i * HQ + head) * SPLITS
     m = tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0)
-    o = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    # A split that walked no slot stored m = -inf and no output: its weight is 0 and its output is not read.
+    o = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=(m > float("-inf"))[:, None], other=0.0)
     top = tl.max(m, axis=0)
     weight = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     total = tl.sum(weight * l, axis=0)
@@ -269,15 +270,20 @@ def _prompt_members(group: int) -> int:
 
 
 def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale, window, softcap, sinks,
-                   prompt_rows=None, prompt_len=None, prompt_groups=None, splits=None, prompt_splits=None):
+                   prompt_rows=None, prompt_len=None, prompt_groups=None, splits=None, prompt_splits=None,
+                   block_n=None, num_warps=None, num_stages=None):
+    # splits, prompt_splits, block_n, num_warps, num_stages: launch overrides (bench_decode_attention.py --sweep).
     b, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     d_pad = max(16, next_power_of_2(d))
-    block_n = 64 if d_pad <= 128 else 32
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
     if splits is None:
         splits = _splits(b, hkv, slots, block_n, q.device)
     cuda = launch_like_cuda(q)
+    num_warps = num_warps or (4 if cuda else 1)
+    num_stages = num_stages or (2 if cuda else 1)
     native = cuda and k_cache.dtype != torch.float32
     members = _prompt_members(group)
     chunks = prompt_groups.shape[0] * (PROMPT_GROUP_ROWS // members) if prompt_groups is not None else 0
@@ -296,7 +302,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
             v_cache.stride(1), v_cache.stride(2), float(scale), float(softcap or 0.0),
             G=group, MEMBERS=members, WIDTH=PROMPT_GROUP_ROWS, M_PAD=m_pad, D=d, D_PAD=d_pad, BLOCK_N=block_n,
             SPLITS=prompt_splits, PART_SPLITS=total, WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
-            num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, rows, start, length,
@@ -308,7 +314,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
         G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
         WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
         SHARED=prompt_rows is not None and prompt_groups is None, OWN_ONLY=prompt_groups is not None,
-        PART_SPLITS=total, PART_BASE=base, num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
+        PART_SPLITS=total, PART_BASE=base, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(b, hq)](
