@@ -137,7 +137,8 @@ def sweep(shapes):
                            num_stages=stages, ms=times, mean_ms=sum(times) / len(times))
                 rows_out.append(row)
                 harness.emit(row)
-    print("| shape | mode | splits | block | warps | stages | mean ms | ms at " + ", ".join(map(str, SWEEP_WRITTEN)) + " |")
+    written = ", ".join(map(str, SWEEP_WRITTEN))
+    print(f"| shape | mode | splits | block | warps | stages | mean ms | ms at {written} written |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows_out, key=lambda r: (r["shape"], r["mode"], r["mean_ms"])):
         cfg = ["default" if v is None else v for v in (r["splits"], r["block_n"], r["num_warps"], r["num_stages"])]

@@ -200,3 +200,21 @@ def test_an_undo_that_misses_is_refused_loudly(monkeypatch):
         warnings.simplefilter("error", GenerationFallbackWarning)
         with pytest.raises(MergeNotUndone):
             generator.generate(prompts(), temperature=0)
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (6, 8)), (torch.float16, (3, 3)), (torch.float32, (5, 2)),
+                                         (torch.bfloat16, (3, 5))])
+def test_the_bit_sum_sees_any_one_changed_element(dtype, shape):
+    """Whole 8-byte words (one read) or widened elements (sizes that are not whole words): either way a weight that
+    differs from the original in one element's bits, even its lowest, has another bit sum."""
+    from fastgrpo.integrations.generation.adapters import _BITS, _bit_sum
+
+    torch.manual_seed(0)
+    weight = torch.randn(shape).to(dtype)
+    before = _bit_sum(weight)
+    bits = weight.view(_BITS[weight.element_size()])
+    for i in range(weight.numel()):
+        changed = bits.clone()
+        changed.view(-1)[i] ^= 1
+        assert _bit_sum(changed.view(dtype)) != before
+    assert _bit_sum(weight.clone()) == before
