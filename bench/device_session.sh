@@ -91,7 +91,7 @@ run_step() {
         step "layer_graphs_$shape" 150 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape $shape --completions 1024 --warmup 3 --repeat 5 --ab fastgrpo.compiler.layer_graphs.ENABLED=False
       done ;;
     # The layer graphs' pool holds one layer call's temporaries, the gated-MLP backward's chunk buffers the largest of
-    # them (bench/RESULTS.md, "What is alive at that peak"): the 1024 step with smaller chunks, one process each.
+    # them (docs/measurements.md, "What is alive at the 1024 peak"): the 1024 step with smaller chunks, one process each.
     pool_chunks) for mib in ${POOL_CHUNK_MIBS:-256 64 32}; do
         step "pool_chunks_$mib" 110 "$OURS" python3 bench/grpo_step.py --systems fastgrpo --shape ${SHAPE:-qwen2.5-1.5b} --completions 1024 --warmup 3 --repeat 5 --mlp-chunk-mib $mib
       done ;;

@@ -3,8 +3,8 @@
 Runs one step of each named `bench/grpo_step.py` system after a warm-up step, with the CUDA caching
 allocator's history recorded (`torch.cuda.memory._record_memory_history`, Python stacks), replays the
 trace to the moment the allocated bytes peak, and prints the blocks alive then, grouped by the Python frames
-that allocated them, largest first. Its readings are in bench/RESULTS.md ("What is alive at that peak", and
-Phi-3-mini's packed peak, an open question, under "Other shapes").
+that allocated them, largest first. Its readings are in docs/measurements.md ("What is alive at the 1024 peak", and
+"Phi-3-mini's packed peak at 4096").
 
     python bench/memory_peak.py --systems fastgrpo_packed,fastgrpo_packed_save --spread --prompt 1024
 Each system's row (its peaks and the largest allocation sites) is appended to bench/results/memory_peak.jsonl.

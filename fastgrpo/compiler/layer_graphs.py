@@ -1,7 +1,7 @@
 """Checkpointed decoder-layer calls replayed as CUDA graphs: a short training step stops waiting for the host.
 
 At short GRPO completions the policy update is bound by the host: between one layer's last kernel and the next
-one's first, Dynamo's guards, AOTAutograd's runtime wrappers and the custom ops' Python run (bench/RESULTS.md,
+one's first, Dynamo's guards, AOTAutograd's runtime wrappers and the custom ops' Python run (docs/measurements.md,
 "Where the 0.5B step at 1024 waits": the GPU busy 90 ms of a 260 ms step). Under offloaded checkpointing
 (`fastgrpo.compiler.offload`) a layer call is one autograd node with two plain bodies, the forward and the backward
 (recompute, then `torch.autograd.grad`), so each is captured whole as a CUDA graph and replayed:

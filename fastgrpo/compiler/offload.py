@@ -79,8 +79,8 @@ from fastgrpo.kernels._dispatch import (KeptOutputs, after_backward_peak, cancel
 PREFETCH_AFTER_BACKWARD_PEAK = True
 # Offloaded layers checkpoint through `LayerCheckpoint`, one autograd node a layer call, rather than torch's
 # non-reentrant checkpoint, whose saved-tensor hooks run Python for each of the tensors a layer's graph saves (~40),
-# in the forward and again in the backward. A short step is bound by that host time (bench/RESULTS.md, "Where the 0.5B
-# step at 1024 waits"). A/B: `python bench/grpo_step.py --ab fastgrpo.compiler.offload.LEAN_CHECKPOINT=False`.
+# in the forward and again in the backward. A short step is bound by that host time (docs/measurements.md, "Where the
+# 0.5B step at 1024 waits"). A/B: `python bench/grpo_step.py --ab fastgrpo.compiler.offload.LEAN_CHECKPOINT=False`.
 LEAN_CHECKPOINT = True
 # HF decoder layers take the layer input first, or by this name.
 HIDDEN_KWARG = "hidden_states"

@@ -18,7 +18,7 @@ MIN_LOGPROB_CHUNK = 4096
 def _free_accelerator_bytes(device: torch.device) -> int | None:
     """Bytes a new allocation can take: the device's free memory plus what torch's caching allocator holds
     unused. `mem_get_info` alone counts the allocator's cache as taken, and sizes planned from it shrink as the
-    cache grows over a run (bench/RESULTS.md, "Whole GRPO step": a Llama-3.1-8B update cut into single rows)."""
+    cache grows over a run (docs/measurements.md, "Rows per forward planned from what the allocator holds")."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(0, cached)
