@@ -1,7 +1,7 @@
 """fastgrpo::decode_attention against a float64 reference: ragged starts, compacted rows, GQA ratios, head dims,
 sliding windows, softcaps, sinks, prompt slots read from another row, dtypes and strides; the cache write; compiled
 and captured calls."""
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -70,7 +70,6 @@ def expected(inputs, options):
     return out, double["k_cache"], double["v_cache"]
 
 
-@contextlib.contextmanager
 def nan_scratch():
     """The kernels' scratch (torch.empty) filled with NaN: an empty split's partials must be neither stored nor read."""
     empty = torch.empty
@@ -79,11 +78,7 @@ def nan_scratch():
         t = empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    torch.empty = filled
-    try:
-        yield
-    finally:
-        torch.empty = empty
+    return mock.patch.object(torch, "empty", filled)
 
 
 def run(inputs, options, call):

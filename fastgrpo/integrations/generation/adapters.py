@@ -230,7 +230,7 @@ def _bit_sum(t: torch.Tensor) -> torch.Tensor:
     size = t.element_size()
     if t.is_contiguous() and (t.numel() * size) % 8 == 0 and (t.storage_offset() * size) % 8 == 0:
         return t.reshape(-1).view(torch.int64).sum()
-    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+    return t.view(_BITS[size]).sum(dtype=torch.int64)
 
 
 class MergeNotUndone(RuntimeError):
