@@ -137,6 +137,7 @@ def sweep(shapes):
                            num_stages=stages, ms=times, mean_ms=sum(times) / len(times))
                 rows_out.append(row)
                 harness.emit(row)
+        harness.record("bench_decode_attention_sweep", [r for r in rows_out if r["shape"] == shape])  # kept if cut
     written = ", ".join(map(str, SWEEP_WRITTEN))
     print(f"| shape | mode | splits | block | warps | stages | mean ms | ms at {written} written |")
     print("|---|---|---|---|---|---|---|---|")
@@ -144,7 +145,6 @@ def sweep(shapes):
         cfg = ["default" if v is None else v for v in (r["splits"], r["block_n"], r["num_warps"], r["num_stages"])]
         print(f"| {r['shape']} | {r['mode']} | " + " | ".join(map(str, cfg)) + f" | {r['mean_ms']:.4f} | "
               + ", ".join(f"{t:.4f}" for t in r["ms"]) + " |")
-    harness.record("bench_decode_attention_sweep", rows_out)
 
 
 if __name__ == "__main__":
