@@ -182,15 +182,15 @@ def test_an_undo_that_misses_is_refused_loudly(monkeypatch):
     model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 32)),
                                 peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
     merged = MergedAdapters("float")
-    real = MergedAdapters._delta
-    calls = []  # layers whose delta was computed: a layer's second delta (its undo) drifts
+    real = MergedAdapters._factors
+    calls = []  # layers whose delta's factors were taken: a layer's second delta (its undo) drifts
 
     def drifting(layer):
         calls.append(id(layer))
-        delta = real(layer)
-        return delta if calls.count(id(layer)) == 1 else delta * (1 + 2.0 ** -10)
+        a, b = real(layer)
+        return (a, b) if calls.count(id(layer)) == 1 else (a, b * (1 + 2.0 ** -10))
 
-    monkeypatch.setattr(MergedAdapters, "_delta", staticmethod(drifting))
+    monkeypatch.setattr(MergedAdapters, "_factors", staticmethod(drifting))
     with pytest.raises(MergeNotUndone, match="merge_lora='none'"):
         with merged.swapped(model):
             pass

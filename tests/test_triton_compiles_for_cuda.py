@@ -32,6 +32,7 @@ from fastgrpo.kernels import rms_norm as rms_norm_module
 from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
+from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_into, lora_merge_plan, lora_unmerge_
 from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear
 from fastgrpo.kernels.race_sample import race_sample
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
@@ -242,6 +243,16 @@ def _run_every_op():
                     scaling=2.0) if rank else {}
         nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant,
                         **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+
+    # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
+    # dtype (the kernel's bit-compare integer type follows it), rank 16.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        weight, a, b = torch.zeros(300, 600, dtype=dtype), torch.zeros(16, 600), torch.zeros(300, 16)
+        stats = torch.zeros(STATS, dtype=torch.int64)
+        lora_merge_plan(weight, a, b, stats)
+        lora_merge_(weight, a, b, stats, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=dtype))
+        lora_merge_into(torch.empty_like(weight), weight, a, b)
+        lora_unmerge_(weight, a, b, stats)
 
     # The rollout engine's plain sampling: bf16 logits of a real vocabulary in many splits, fp32 in one, an int32 seed.
     for rows, vocab, dtype, seed_dtype in ((64, 151_936, torch.bfloat16, torch.int64), (1024, 4096, torch.float32,

@@ -23,6 +23,8 @@ from torch import nn
 
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
+from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
+    lora_unmerge_
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
 
@@ -247,6 +249,7 @@ class _Merge:
     param: torch.Tensor | None = None  # in place: the tensor merged (a linear's weight, or an experts parameter)
     fixes: tuple | None = None  # in place, while merged: (flat indices, original values) the undo would miss
     checksum: torch.Tensor | None = None  # in place, while merged: the sum of the original weight's bits
+    stats: torch.Tensor | None = None  # in place through the merge kernel, while merged: its STATS counters
 
 
 class MergedAdapters:
@@ -362,7 +365,8 @@ class MergedAdapters:
 
     @staticmethod
     def _delta(layer: nn.Module) -> torch.Tensor:
-        """The active adapters' summed delta in fp32, computed the same way at merge and undo (autocast off)."""
+        """The active adapters' summed delta in fp32 (PEFT's `get_delta_weight`), computed the same way at merge and
+        undo (autocast off): the merge of the layers `_factors` does not take."""
         total = None
         with torch.autocast(_adapter_device(layer).type, enabled=False):
             for name in _active(layer):
@@ -370,28 +374,48 @@ class MergedAdapters:
                 total = delta if total is None else total + delta
         return total
 
+    @staticmethod
+    def _factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp32 factors (a, b) with b @ a the active adapters' summed delta, for `fastgrpo.kernels.lora_merge`
+        (one pass over the weight, no delta in memory); None for a layer it does not take: the LoRA of an MoE
+        layer's experts, a quantized base, a base dtype other than bf16/fp16/fp32, a transposed (fan-in-fan-out)
+        weight."""
+        if is_expert_lora(layer) or getattr(layer, "fan_in_fan_out", False):
+            return None
+        weight = layer.base_layer.weight
+        if _is_quantized(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        return lora_merge_factors([(layer.lora_A[n].weight, layer.lora_B[n].weight, float(layer.scaling[n]))
+                                   for n in _active(layer)])
+
     @torch.no_grad()
     def _merge(self) -> None:
         from peft.utils.integrations import dequantize_module_weight
 
+        planned = []  # in-place kernel merges: (entry, factors), once their misses are counted
         for e in self._entries:
             if isinstance(e.linear, FourBitLoRALinear):
                 e.linear.refresh()
                 continue
-            delta = self._delta(e.layer)
+            factors = self._factors(e.layer)
             if not e.in_place:
-                base = dequantize_module_weight(e.layer.base_layer).to(torch.float32)
-                if isinstance(e.linear, JoinedSlice):  # its rows of the joined weight, and of the joined bias
-                    e.linear.merge_weight.copy_(base + delta)
-                    if e.linear.merge_bias is not None:
-                        e.linear.merge_bias.copy_(e.layer.base_layer.bias)
-                else:  # a copy linear shares the base's bias
-                    e.linear.weight.copy_(base + delta)
+                target = e.linear.merge_weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
+                if factors is not None:
+                    lora_merge_into(target, e.layer.base_layer.weight, *factors)
+                else:
+                    target.copy_(dequantize_module_weight(e.layer.base_layer).to(torch.float32) + self._delta(e.layer))
+                if isinstance(e.linear, JoinedSlice) and e.linear.merge_bias is not None:  # its rows of the bias
+                    e.linear.merge_bias.copy_(e.layer.base_layer.bias)
+                continue  # (a copy linear shares the base's bias)
+            if factors is not None:
+                e.stats = torch.zeros(STATS, dtype=torch.int64, device=e.param.device)
+                lora_merge_plan(e.param, *factors, e.stats)
+                planned.append((e, factors))
                 continue
-            # fp32 maths rounded once into the weight's dtype, one pass each (an fp32 copy of the weight and its
-            # round trips cost ~2.5x the passes: ~0.29 of a 4.6 s Llama-3.1-8B rollout, `python
-            # bench/bench_generation.py --shape llama-3.1-8b --cases 64x512 --generations 8 --profile`).
+            # fp32 maths rounded once into the weight's dtype, one pass each; the elements the undo misses found
+            # by comparing bits, and kept.
             weight = e.param
+            delta = self._delta(e.layer)
             merged = torch.add(weight, delta, out=torch.empty_like(weight))
             undone = torch.sub(merged, delta, out=torch.empty_like(weight))
             bits = _BITS[weight.element_size()]
@@ -400,26 +424,45 @@ class MergedAdapters:
             e.fixes = (missed, weight.view(-1)[missed].clone())
             e.checksum = _bit_sum(weight)
             weight.copy_(merged)
+        if not planned:
+            return
+        counts = torch.stack([e.stats[0] for e, _ in planned]).tolist()  # one host sync for every weight
+        for (e, factors), count in zip(planned, counts):
+            weight = e.param
+            fixes = (torch.empty(count, dtype=torch.int64, device=weight.device),
+                     torch.empty(count, dtype=weight.dtype, device=weight.device))
+            lora_merge_(weight, *factors, e.stats, *fixes)
+            e.fixes = fixes  # merged: the undo takes it back
 
     @torch.no_grad()
     def _restore(self) -> None:
-        """Undo the in-place merges; then check every undone weight's bit sum against the original's (one host sync):
-        a delta that came out differently the second time would otherwise leave the base silently changed."""
+        """Undo the in-place merges; then check every undone weight (one host sync): its bit sum before the kept
+        values went back against the merge's plan of it (kernel merges), or its whole bit sum against the original's
+        (the others). A delta that came out differently the second time would otherwise leave the base silently
+        changed."""
         undone = []
         for e in self._entries:
             if e.fixes is None:
                 continue
             weight = e.param
-            weight.sub_(self._delta(e.layer))  # in fp32, rounded once: the inverse of the merge's add but rounding
+            factors = self._factors(e.layer) if e.stats is not None else None
+            if factors is not None:
+                lora_unmerge_(weight, *factors, e.stats)
+            else:
+                weight.sub_(self._delta(e.layer))  # in fp32, rounded once: the merge's add undone but for rounding
             missed, values = e.fixes
             weight.view(-1)[missed] = values
             e.fixes = None
-            undone.append((e, _bit_sum(weight)))
+            if factors is not None:
+                same = (e.stats[3] == e.stats[1]) & (e.stats[2] == e.stats[0])
+            else:
+                same = e.checksum == _bit_sum(weight)
+            undone.append((e, same))
         if not undone:
             return
-        same = torch.stack([e.checksum == now for e, now in undone]).cpu()
+        same = torch.stack([ok for _, ok in undone]).cpu()
         for (e, _), ok in zip(undone, same.tolist()):
-            e.checksum = None
+            e.checksum = e.stats = None
             if not ok:
                 raise MergeNotUndone(
                     f"fastgrpo: the rollout's LoRA merge into {type(e.layer).__name__} '{e.name}' did not undo to the "
