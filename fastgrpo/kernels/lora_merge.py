@@ -45,7 +45,7 @@ _CUDA_TILE = (32, 256)
 _INTERPRETER_TILE = (8, 32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["fix_cap"])  # a count that changes every call: one compile for all
 def _lora_merge_kernel(w_ptr, out_ptr, a_ptr, b_ptr, stats_ptr, fix_index_ptr, fix_value_ptr, fix_cap,
                        N, K, R, stride_w, stride_out,
                        MODE: tl.constexpr, INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
