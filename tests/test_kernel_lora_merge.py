@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.kernels._dispatch import triton_on_cpu
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
-    lora_unmerge_
+    lora_merge_restored, lora_unmerge_
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}  # relative, one rounding
@@ -47,7 +47,7 @@ def merge_and_undo(weight, a, b):
     lora_merge_(weight, a, b, stats, fix_index, fix_value)
     merged = weight.clone()
     lora_unmerge_(weight, a, b, stats)
-    weight.view(-1)[fix_index] = fix_value
+    assert bool(lora_merge_restored(weight, stats, fix_index, fix_value))
     return merged, stats
 
 
@@ -80,7 +80,7 @@ def test_an_in_place_merge_is_right_and_undoes_to_the_exact_bits(case):
             merged, stats = merge_and_undo(weight, a, b)
         check_merged(merged, original, a, b)
         assert torch.equal(weight.view(BITS[dtype]), original.view(BITS[dtype]))
-        planned, planned_sum, recorded, undone_sum = stats.tolist()
+        planned, planned_sum, recorded, undone_sum, _ = stats.tolist()
         assert planned == recorded and planned_sum == undone_sum
 
 
@@ -118,8 +118,9 @@ def test_several_adapters_sum_with_their_scalings():
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_an_undo_with_another_delta_is_seen_in_the_bit_sums():
-    """The check MergedAdapters makes: a delta that differs at the undo leaves the bit sums (or counts) apart."""
+def test_an_undo_with_another_delta_or_wrong_kept_values_is_seen():
+    """The check MergedAdapters makes: a delta that differs at the undo, or a kept value that is not the original,
+    leaves the weight's bit sum apart from the original's."""
     torch.manual_seed(1)
     a, b = lora_merge_factors([(torch.randn(4, 64), torch.randn(32, 4) * 0.1, 1.0)])
     for _, path in paths():
@@ -128,10 +129,20 @@ def test_an_undo_with_another_delta_is_seen_in_the_bit_sums():
         with path():
             lora_merge_plan(weight, a, b, stats)
             count = int(stats[0])
-            lora_merge_(weight, a, b, stats, torch.empty(count, dtype=torch.int64),
-                        torch.empty(count, dtype=torch.bfloat16))
+            fixes = torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.bfloat16)
+            lora_merge_(weight, a, b, stats, *fixes)
             lora_unmerge_(weight, a, b * (1 + 2.0 ** -10), stats)
-        assert stats[3] != stats[1]
+            assert stats[3] != stats[1] and not lora_merge_restored(weight, stats, *fixes)
+        weight = awkward_weight(32, 64, torch.bfloat16, 3)  # the right delta, one kept value changed by its last bit
+        with path():
+            stats = torch.zeros(STATS, dtype=torch.int64)
+            lora_merge_plan(weight, a, b, stats)
+            count = int(stats[0])
+            fixes = torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.bfloat16)
+            lora_merge_(weight, a, b, stats, *fixes)
+            lora_unmerge_(weight, a, b, stats)
+            fixes[1].view(torch.int16)[0] ^= 1
+            assert not lora_merge_restored(weight, stats, *fixes)
 
 
 def test_too_small_a_fix_buffer_records_what_fits_and_counts_all():

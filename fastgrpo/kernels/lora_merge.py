@@ -7,13 +7,16 @@ a merge reads and writes the weight once and never holds the delta in memory. Ev
 bits from the same factors, which is what makes an in-place merge undoable exactly:
 
 - `lora_merge_plan(weight, a, b, stats)`: counts the elements where round(round(W + d) - d) != W (a sum that rounds
-  across a power of two) into stats[0] and adds the bits of that undo, as int64, into stats[1]; writes nothing else.
+  across a power of two) into stats[0], adds the bits of that undo, as int64, into stats[1] and W's own bits into
+  stats[4]; writes nothing else.
 - `lora_merge_(weight, a, b, stats, fix_index, fix_value)`: W <- round(W + d) in place; each element the undo will
   miss has its flat index and original value appended to fix_index / fix_value (sized by the plan's count; the
   count appended goes to stats[2]).
-- `lora_unmerge_(weight, a, b, stats)`: W <- round(W - d) in place, its bits summed into stats[3]. Writing the kept
-  values back then gives W its exact bits; stats[3] == stats[1] and stats[2] == stats[0] check that the delta came
-  out the same at every pass (`STATS` slots a weight).
+- `lora_unmerge_(weight, a, b, stats)`: W <- round(W - d) in place, its bits summed into stats[3].
+- `lora_merge_restored(weight, stats, fix_index, fix_value)`: writes the kept values back, which gives W its exact
+  bits, and returns (a 0-d bool tensor, no host sync) whether they are: W's bit sum, from stats[3] and the elements
+  replaced, against the plan's stats[4], and the delta and the misses the same at every pass (`STATS` slots a
+  weight).
 - `lora_merge_into(out, weight, a, b)`: out <- round(W + d) (a merged copy; W untouched).
 
 round() is to the weight's dtype (bf16, fp16 or fp32), the sum in fp32. Bits are compared and summed as integers, so
@@ -35,7 +38,7 @@ import triton.language as tl
 
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, use_triton
 
-STATS = 4  # int64 slots a weight: planned misses, the plan's undo bit sum, misses recorded, the undo's bit sum
+STATS = 5  # int64 slots a weight: planned misses, the plan's undo bit sum, misses recorded, the undo's bit sum, W's
 _PLAN, _MERGE, _COPY, _UNMERGE = 0, 1, 2, 3
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _TRITON_BITS = {torch.bfloat16: tl.int16, torch.float16: tl.int16, torch.float32: tl.int32}
@@ -79,6 +82,8 @@ def _lora_merge_kernel(w_ptr, out_ptr, a_ptr, b_ptr, stats_ptr, fix_index_ptr, f
             if MODE == 0:  # plan
                 bits = tl.where(inside, undone.to(INT, bitcast=True).to(tl.int64), 0)
                 tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum(bits, axis=1), axis=0))
+                bits = tl.where(inside, w.to(INT, bitcast=True).to(tl.int64), 0)
+                tl.atomic_add(stats_ptr + 4, tl.sum(tl.sum(bits, axis=1), axis=0))
                 if missed > 0:
                     tl.atomic_add(stats_ptr, missed.to(tl.int64))
             else:  # merge in place, keeping what the undo will miss
@@ -152,6 +157,7 @@ def _reference(mode: int, weight, a, b, stats=None, out=None, fix_index=None, fi
     if mode == _PLAN:
         stats[0] += miss.sum()
         stats[1] += _bits(undone).sum(dtype=torch.int64)
+        stats[4] += _bits(weight).sum(dtype=torch.int64)
         return
     index = torch.nonzero(miss)[:, 0]
     start = int(stats[2])
@@ -209,3 +215,16 @@ def lora_merge_into(out: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
                          "and device, with contiguous rows")
     _run(_COPY, weight, a, b, out=out)
 
+
+@torch.no_grad()
+def lora_merge_restored(weight: torch.Tensor, stats: torch.Tensor, fix_index: torch.Tensor,
+                        fix_value: torch.Tensor) -> torch.Tensor:
+    """After `lora_unmerge_`: the kept values written back; a 0-d bool tensor, True where the weight's bits sum to
+    the original's (stats[3], less the elements replaced, plus what replaced them, against the plan's stats[4]) and
+    every pass computed the same delta and the same misses."""
+    _check_stats(stats, weight)
+    flat = weight.view(-1)
+    replaced = flat[fix_index]
+    flat[fix_index] = fix_value
+    restored = stats[3] - _bits(replaced).sum(dtype=torch.int64) + _bits(fix_value).sum(dtype=torch.int64)
+    return (restored == stats[4]) & (stats[3] == stats[1]) & (stats[2] == stats[0])

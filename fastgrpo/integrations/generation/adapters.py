@@ -24,7 +24,7 @@ from torch import nn
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
-    lora_unmerge_
+    lora_merge_restored, lora_unmerge_
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
 
@@ -436,27 +436,23 @@ class MergedAdapters:
 
     @torch.no_grad()
     def _restore(self) -> None:
-        """Undo the in-place merges; then check every undone weight (one host sync): its bit sum before the kept
-        values went back against the merge's plan of it (kernel merges), or its whole bit sum against the original's
-        (the others). A delta that came out differently the second time would otherwise leave the base silently
-        changed."""
+        """Undo the in-place merges; then check every undone weight's bit sum against the original's (one host sync):
+        a delta that came out differently the second time would otherwise leave the base silently changed."""
         undone = []
         for e in self._entries:
             if e.fixes is None:
                 continue
             weight = e.param
+            missed, values = e.fixes
             factors = self._factors(e.layer) if e.stats is not None else None
             if factors is not None:
                 lora_unmerge_(weight, *factors, e.stats)
+                same = lora_merge_restored(weight, e.stats, missed, values)
             else:
                 weight.sub_(self._delta(e.layer))  # in fp32, rounded once: the merge's add undone but for rounding
-            missed, values = e.fixes
-            weight.view(-1)[missed] = values
-            e.fixes = None
-            if factors is not None:
-                same = (e.stats[3] == e.stats[1]) & (e.stats[2] == e.stats[0])
-            else:
+                weight.view(-1)[missed] = values
                 same = e.checksum == _bit_sum(weight)
+            e.fixes = None
             undone.append((e, same))
         if not undone:
             return
