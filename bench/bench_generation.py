@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--grouped-prompt", type=harness.grouped_mode, default="auto",
                    help="a group's prompt attended once a step for all its rows (engine.GROUPED_PROMPT_ATTENTION): 1 in "
                    "every layer, 0 in none, auto (default) where a token's KV is large")
+    p.add_argument("--merge-kernel", type=int, default=1,
+                   help="0: the LoRA merge runs PEFT's delta and torch's passes (adapters.MERGE_KERNEL off)")
     p.add_argument("--compact-cache", type=int, default=1,
                    help="0: every row keeps its prompt slots in the KV cache (engine.COMPACT_CACHE off)")
     args = p.parse_args(argv)
@@ -177,6 +179,7 @@ def main(argv=None):
     engine_module.SHARED_PROMPT_SLOTS = bool(args.shared_prompt_slots)
     engine_module.GROUPED_PROMPT_ATTENTION = args.grouped_prompt
     engine_module.COMPACT_CACHE = bool(args.compact_cache)
+    adapters.MERGE_KERNEL = bool(args.merge_kernel)
     if args.fused_sampling is not None:
         sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -238,7 +241,7 @@ def main(argv=None):
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
                    join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
                    shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=args.grouped_prompt,
-                   compact_cache=engine_module.COMPACT_CACHE,
+                   compact_cache=engine_module.COMPACT_CACHE, merge_kernel=adapters.MERGE_KERNEL,
                    cache_gib=cache_storage_gib(decoder),
                    seconds=seconds, copy_tbps=harness.copy_tbps(),
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,

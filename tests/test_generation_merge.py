@@ -141,13 +141,17 @@ def test_a_bad_merge_mode_is_refused_at_construction():
         EmbeddedGenerator(tiny_lm("llama"), PAD, [EOS], max_new_tokens=4, merge_lora="yes")
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device):
+def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device, kernel, monkeypatch):
     """W <- round(W + delta), then the undo round(merged - delta) and the kept elements where it misses: every bit
     of W back, including elements whose sum rounded across a power of two (the undo alone gets those wrong), signed
-    zeros, and a NaN."""
+    zeros, and a NaN; through `fastgrpo.kernels.lora_merge` and through torch's passes (MERGE_KERNEL off)."""
+    from fastgrpo.integrations.generation import adapters
     from fastgrpo.integrations.generation.adapters import MergedAdapters
+
+    monkeypatch.setattr(adapters, "MERGE_KERNEL", kernel)
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48, bias=False)
@@ -166,6 +170,7 @@ def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device):
     with merged.swapped(model):
         entry = merged._entries[0]
         assert entry.in_place and model.base_model.model[0] is base  # the base itself decodes
+        assert (entry.stats is not None) == kernel
         assert not torch.equal(base.weight.view(-1)[258:], before.view(-1)[258:])  # it holds the merged values
         missed = entry.fixes[0].numel()
     bits = {2: torch.int16, 4: torch.int32}[before.element_size()]
@@ -173,24 +178,31 @@ def test_in_place_merge_is_undone_to_the_exact_bits(dtype, device):
     assert missed > 0 if dtype != torch.float32 else True  # the kept elements were needed
 
 
-def test_an_undo_that_misses_is_refused_loudly(monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_an_undo_that_misses_is_refused_loudly(monkeypatch, kernel):
     """If the delta came out differently at the undo (a nondeterministic GEMM), the bit-sum check says so, naming
-    the fix, instead of leaving the base weight changed in silence."""
+    the fix, instead of leaving the base weight changed in silence: through the merge kernel's factors and through
+    PEFT's delta (MERGE_KERNEL off)."""
+    from fastgrpo.integrations.generation import adapters
     from fastgrpo.integrations.generation.adapters import MergedAdapters, MergeNotUndone
 
+    monkeypatch.setattr(adapters, "MERGE_KERNEL", kernel)
     torch.manual_seed(0)
     model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(32, 32)),
                                 peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
     merged = MergedAdapters("float")
-    real = MergedAdapters._factors
-    calls = []  # layers whose delta's factors were taken: a layer's second delta (its undo) drifts
+    name = "_factors" if kernel else "_delta"
+    real = getattr(MergedAdapters, name)
+    calls = []  # layers whose delta was taken: a layer's second delta (its undo) drifts
 
     def drifting(layer):
         calls.append(id(layer))
-        a, b = real(layer)
-        return (a, b) if calls.count(id(layer)) == 1 else (a, b * (1 + 2.0 ** -10))
+        got = real(layer)
+        if calls.count(id(layer)) == 1:
+            return got
+        return (got[0], got[1] * (1 + 2.0 ** -10)) if kernel else got * (1 + 2.0 ** -10)
 
-    monkeypatch.setattr(MergedAdapters, "_factors", staticmethod(drifting))
+    monkeypatch.setattr(MergedAdapters, name, staticmethod(drifting))
     with pytest.raises(MergeNotUndone, match="merge_lora='none'"):
         with merged.swapped(model):
             pass

@@ -89,6 +89,10 @@ MERGE_MODES = ("float", "all", "none")
 # Merged q, k and v decode as one GEMM over a joined copy (`joined.py`). `python bench/bench_generation.py
 # --join-qkv 0` times the rollouts without it.
 JOIN_QKV = True
+# Merges of plain LoRA over bf16/fp16/fp32 bases run `fastgrpo.kernels.lora_merge` (one pass a weight, the delta never
+# in memory); False runs PEFT's delta and torch's passes for them too (the A/B of `python bench/bench_generation.py
+# --shape llama-3.1-8b --cases 64x512 --generations 8 --merge-kernel 0`).
+MERGE_KERNEL = True
 
 
 def check_merge_mode(mode: str) -> str:
@@ -377,10 +381,10 @@ class MergedAdapters:
     @staticmethod
     def _factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fp32 factors (a, b) with b @ a the active adapters' summed delta, for `fastgrpo.kernels.lora_merge`
-        (one pass over the weight, no delta in memory); None for a layer it does not take: the LoRA of an MoE
-        layer's experts, a quantized base, a base dtype other than bf16/fp16/fp32, a transposed (fan-in-fan-out)
+        (one pass over the weight, no delta in memory); None for a layer it does not take (and with MERGE_KERNEL
+        off): the LoRA of an MoE layer's experts, a quantized base, a base dtype other than bf16/fp16/fp32, a transposed (fan-in-fan-out)
         weight."""
-        if is_expert_lora(layer) or getattr(layer, "fan_in_fan_out", False):
+        if not MERGE_KERNEL or is_expert_lora(layer) or getattr(layer, "fan_in_fan_out", False):
             return None
         weight = layer.base_layer.weight
         if _is_quantized(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
