@@ -382,8 +382,8 @@ class MergedAdapters:
     def _factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fp32 factors (a, b) with b @ a the active adapters' summed delta, for `fastgrpo.kernels.lora_merge`
         (one pass over the weight, no delta in memory); None for a layer it does not take (and with MERGE_KERNEL
-        off): the LoRA of an MoE layer's experts, a quantized base, a base dtype other than bf16/fp16/fp32, a transposed (fan-in-fan-out)
-        weight."""
+        off): the LoRA of an MoE layer's experts, a quantized base, a base dtype other than bf16/fp16/fp32, a
+        transposed (fan-in-fan-out) weight."""
         if not MERGE_KERNEL or is_expert_lora(layer) or getattr(layer, "fan_in_fan_out", False):
             return None
         weight = layer.base_layer.weight
