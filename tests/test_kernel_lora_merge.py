@@ -2,6 +2,7 @@
 on CPU, the GPU where marked) and the torch path."""
 import contextlib
 
+import peft
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,14 +11,14 @@ from hypothesis import strategies as st
 from fastgrpo.kernels._dispatch import triton_on_cpu
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
+from fastgrpo.kernels.nf4_lora_linear import lora_factors
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}  # relative, one rounding
 SPACING = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149}  # subnormal steps
 
 
-def paths():
-    return [("torch", contextlib.nullcontext), ("triton", triton_on_cpu)]
+PATHS = (contextlib.nullcontext, triton_on_cpu)  # the torch path, the kernel in the interpreter
 
 
 def awkward_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -67,13 +68,18 @@ shapes = st.tuples(st.integers(1, 70), st.integers(1, 90), st.integers(1, 20),
                    st.sampled_from([0.5, 2.0, 1 / 16]))
 
 
+def case_factors(case):
+    """(n, k, dtype, seed, a, b) of a drawn case."""
+    n, k, r, dtype, seed, scaling = case
+    torch.manual_seed(seed)
+    return n, k, dtype, seed, *lora_merge_factors(torch.randn(r, k), torch.randn(n, r) * 0.1, scaling)
+
+
 @settings(max_examples=20, deadline=None)
 @given(shapes)
 def test_an_in_place_merge_is_right_and_undoes_to_the_exact_bits(case):
-    n, k, r, dtype, seed, scaling = case
-    torch.manual_seed(seed)
-    a, b = lora_merge_factors([(torch.randn(r, k), torch.randn(n, r) * 0.1, scaling)])
-    for _, path in paths():
+    n, k, dtype, seed, a, b = case_factors(case)
+    for path in PATHS:
         weight = awkward_weight(n, k, dtype, seed)
         original = weight.clone()
         with path():
@@ -89,10 +95,8 @@ def test_an_in_place_merge_is_right_and_undoes_to_the_exact_bits(case):
 def test_a_merged_copy_matches_the_in_place_merge(case):
     """lora_merge_into writes the in-place merge's values into rows of a larger buffer (a joined q/k/v weight);
     rows outside are untouched and the source weight is not written."""
-    n, k, r, dtype, seed, scaling = case
-    torch.manual_seed(seed)
-    a, b = lora_merge_factors([(torch.randn(r, k), torch.randn(n, r) * 0.1, scaling)])
-    for _, path in paths():
+    n, k, dtype, seed, a, b = case_factors(case)
+    for path in PATHS:
         weight = awkward_weight(n, k, dtype, seed)
         original = weight.clone()
         buffer = torch.full((n + 5, k), 7.0, dtype=dtype)
@@ -105,13 +109,23 @@ def test_a_merged_copy_matches_the_in_place_merge(case):
 
 
 def test_several_adapters_sum_with_their_scalings():
+    """A PEFT layer's two active adapters (one fp32, one bf16), joined by `lora_factors`: the merged weight is the
+    base plus each adapter's scaling * B @ A (in fp32: PEFT's `get_delta_weight` rounds a bf16 adapter's delta)."""
     torch.manual_seed(0)
-    weight = torch.randn(24, 40)
-    adapters = [(torch.randn(4, 40), torch.randn(24, 4), 2.0), (torch.randn(8, 40, dtype=torch.bfloat16),
-                                                                  torch.randn(24, 8, dtype=torch.bfloat16), 0.25)]
-    a, b = lora_merge_factors(adapters)
-    expected = weight + sum(s * (bb.float() @ aa.float()) for aa, bb, s in adapters)
-    for _, path in paths():
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False)), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False))
+    model.add_adapter("second", peft.LoraConfig(r=8, lora_alpha=2, target_modules=["0"], init_lora_weights=False))
+    layer = model.base_model.model[0]
+    layer.lora_A["second"].bfloat16()
+    layer.lora_B["second"].bfloat16()
+    layer.set_adapter(["default", "second"])
+    weight = layer.base_layer.weight.detach()
+    names = ("default", "second")
+    expected = weight + sum(layer.scaling[n] * (layer.lora_B[n].weight.float() @ layer.lora_A[n].weight.float())
+                            for n in names)
+    a, b = lora_merge_factors(*lora_factors(layer))
+    assert a.shape[0] == 12
+    for path in PATHS:
         out = torch.empty_like(weight)
         with path():
             lora_merge_into(out, weight, a, b)
@@ -122,8 +136,8 @@ def test_an_undo_with_another_delta_or_wrong_kept_values_is_seen():
     """The check MergedAdapters makes: a delta that differs at the undo, or a kept value that is not the original,
     leaves the weight's bit sum apart from the original's."""
     torch.manual_seed(1)
-    a, b = lora_merge_factors([(torch.randn(4, 64), torch.randn(32, 4) * 0.1, 1.0)])
-    for _, path in paths():
+    a, b = lora_merge_factors(torch.randn(4, 64), torch.randn(32, 4) * 0.1, 1.0)
+    for path in PATHS:
         weight = awkward_weight(32, 64, torch.bfloat16, 3)
         stats = torch.zeros(STATS, dtype=torch.int64)
         with path():
@@ -147,8 +161,8 @@ def test_an_undo_with_another_delta_or_wrong_kept_values_is_seen():
 
 def test_too_small_a_fix_buffer_records_what_fits_and_counts_all():
     torch.manual_seed(2)
-    a, b = lora_merge_factors([(torch.randn(4, 64), torch.randn(32, 4), 1.0)])
-    for _, path in paths():
+    a, b = lora_merge_factors(torch.randn(4, 64), torch.randn(32, 4), 1.0)
+    for path in PATHS:
         weight = torch.zeros(32, 64, dtype=torch.bfloat16)  # every element misses
         stats = torch.zeros(STATS, dtype=torch.int64)
         fix_index, fix_value = torch.full((5,), -1, dtype=torch.int64), torch.zeros(5, dtype=torch.bfloat16)
@@ -167,7 +181,7 @@ def test_too_small_a_fix_buffer_records_what_fits_and_counts_all():
 def test_bad_input_is_refused_naming_the_fix(bad, match):
     torch.manual_seed(0)
     weight = torch.randn(8, 16)
-    a, b = lora_merge_factors([(torch.randn(2, 16), torch.randn(8, 2), 1.0)])
+    a, b = lora_merge_factors(torch.randn(2, 16), torch.randn(8, 2), 1.0)
     with pytest.raises(ValueError, match=match):
         lora_merge_plan(*bad(weight, a, b), torch.zeros(STATS, dtype=torch.int64))
 
@@ -178,8 +192,7 @@ def test_on_cuda_at_a_projection_size(dtype):
     """A 4096 x 14336 projection (an 8B model's down projection): right, undone exactly, the copy equal to it."""
     torch.manual_seed(0)
     n, k = 4096, 14336
-    a, b = lora_merge_factors([(torch.randn(16, k, device="cuda") * 0.02, torch.randn(n, 16, device="cuda") * 0.02,
-                                2.0)])
+    a, b = lora_merge_factors(torch.randn(16, k, device="cuda") * 0.02, torch.randn(n, 16, device="cuda") * 0.02, 2.0)
     weight = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
     weight.view(-1)[: n * k // 16] = 0.0
     original = weight.clone()

@@ -1,9 +1,10 @@
 """A LoRA delta added to a weight, or taken from it, in one pass: the rollout engine's adapter merge.
 
 The delta of a LoRA layer's active adapters is `b @ a`, with `a` [r, K] their A's stacked along r and `b` [N, r]
-their B's side by side, each scaled by its adapter's scaling (`lora_merge_factors`), both fp32. The kernel computes
-a [BN, BK] tile of it in registers (r fused multiply-adds an element, in a fixed order) beside the weight's tile, so
-each pass reads (and writes) the weight once and the delta is never in memory. Every call computes the same delta
+their B's side by side, each scaled by its adapter's scaling (`nf4_lora_linear.lora_factors`, then
+`lora_merge_factors`), both fp32. The kernel computes a [BN, BK] tile of it in registers (r fused multiply-adds an
+element, in a fixed order) beside the weight's tile, so each pass reads (and writes) the weight once and the delta is
+never in memory. Every call computes the same delta
 bits from the same factors, which is what makes an in-place merge undoable exactly:
 
 - `lora_merge_plan(weight, a, b, stats)`: counts the elements where round(round(W + d) - d) != W (a sum that rounds
@@ -98,12 +99,10 @@ def _lora_merge_kernel(w_ptr, out_ptr, a_ptr, b_ptr, stats_ptr, fix_index_ptr, f
                     tl.store(fix_value_ptr + slot, tl.reshape(w, (BLOCK_N * BLOCK_K,)), mask=keep)
 
 
-def lora_merge_factors(factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, b) of adapters given as (A [r_i, K], B [N, r_i], scaling): A's stacked along r, each B scaled by its
-    scaling, fp32 and contiguous, so that b @ a is their summed delta."""
-    a = torch.cat([f[0].detach().to(torch.float32) for f in factors]).contiguous()
-    b = torch.cat([f[1].detach().to(torch.float32) * f[2] for f in factors], dim=1).contiguous()
-    return a, b
+def lora_merge_factors(a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b * scaling) in fp32 and contiguous, so that b @ a is the delta: one adapter, or several as
+    `nf4_lora_linear.lora_factors` joins them."""
+    return a.detach().to(torch.float32).contiguous(), (b.detach().to(torch.float32) * scaling).contiguous()
 
 
 def _check(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: bool) -> None:
@@ -178,12 +177,16 @@ def _check_stats(stats: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"lora merge: stats must be {STATS} contiguous int64 on the weight's device (zeros at first)")
 
 
+def _in_place(mode: int, weight, a, b, stats, **tensors) -> None:
+    _check(weight, a, b, in_place=True)
+    _check_stats(stats, weight)
+    _run(mode, weight, a, b, stats=stats, **tensors)
+
+
 @torch.no_grad()
 def lora_merge_plan(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats: torch.Tensor) -> None:
     """stats[0] += elements the undo of an in-place merge will miss; stats[1] += that undo's bit sum."""
-    _check(weight, a, b, in_place=True)
-    _check_stats(stats, weight)
-    _run(_PLAN, weight, a, b, stats=stats)
+    _in_place(_PLAN, weight, a, b, stats)
 
 
 @torch.no_grad()
@@ -191,19 +194,15 @@ def lora_merge_(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats: t
                 fix_index: torch.Tensor, fix_value: torch.Tensor) -> None:
     """weight <- round(weight + b @ a) in place; the elements its undo will miss are kept in fix_index (int64 flat
     indices) and fix_value (their original values, the weight's dtype), as many as they hold; stats[2] += missed."""
-    _check(weight, a, b, in_place=True)
-    _check_stats(stats, weight)
     if fix_index.dtype != torch.int64 or fix_value.dtype != weight.dtype or fix_index.numel() != fix_value.numel():
         raise ValueError("lora merge: fix_index must be int64 and fix_value of the weight's dtype, of one length")
-    _run(_MERGE, weight, a, b, stats=stats, fix_index=fix_index, fix_value=fix_value)
+    _in_place(_MERGE, weight, a, b, stats, fix_index=fix_index, fix_value=fix_value)
 
 
 @torch.no_grad()
 def lora_unmerge_(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats: torch.Tensor) -> None:
     """weight <- round(weight - b @ a) in place; stats[3] += the result's bit sum (before the kept values go back)."""
-    _check(weight, a, b, in_place=True)
-    _check_stats(stats, weight)
-    _run(_UNMERGE, weight, a, b, stats=stats)
+    _in_place(_UNMERGE, weight, a, b, stats)
 
 
 @torch.no_grad()

@@ -389,8 +389,7 @@ class MergedAdapters:
         weight = layer.base_layer.weight
         if _is_quantized(weight) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
-        return lora_merge_factors([(layer.lora_A[n].weight, layer.lora_B[n].weight, float(layer.scaling[n]))
-                                   for n in _active(layer)])
+        return lora_merge_factors(*lora_factors(layer))
 
     @torch.no_grad()
     def _merge(self) -> None:
