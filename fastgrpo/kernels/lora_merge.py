@@ -43,60 +43,70 @@ STATS = 5  # int64 slots a weight: planned misses, the plan's undo bit sum, miss
 _PLAN, _MERGE, _COPY, _UNMERGE = 0, 1, 2, 3
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _TRITON_BITS = {torch.bfloat16: tl.int16, torch.float16: tl.int16, torch.float32: tl.int32}
-# A program's tile on CUDA: 8192 elements (64 a thread at 4 warps), each tile row 512 contiguous bytes of a bf16
-# weight. Small tiles in the interpreter, so that small test shapes span several tiles and their edges.
-_CUDA_TILE = (32, 256)
-_INTERPRETER_TILE = (8, 32)
+# A program's work on CUDA: TILES tiles of [BLOCK_N, BLOCK_K] down one column block, its sums kept in registers and
+# added to stats once. 16 elements a thread keep the in-place merge at ~120 registers (4 blocks an SM); 8192 a tile
+# took 255 and spilled, and ran at ~1/8 of the DRAM rate: `python bench/bench_lora_merge.py --sweep`. Small tiles in
+# the interpreter, so that small test shapes span several tiles, programs and their edges.
+CUDA_LAUNCH = {"BLOCK_N": 8, "BLOCK_K": 256, "TILES": 4, "num_warps": 4}
+_INTERPRETER_LAUNCH = {"BLOCK_N": 4, "BLOCK_K": 16, "TILES": 2, "num_warps": 1}
 
 
 @triton.jit(do_not_specialize=["fix_cap"])  # a count that changes every call: one compile for all
 def _lora_merge_kernel(w_ptr, out_ptr, a_ptr, b_ptr, stats_ptr, fix_index_ptr, fix_value_ptr, fix_cap,
-                       N, K, R, stride_w, stride_out,
-                       MODE: tl.constexpr, INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       N, K, R, stride_w, stride_out, MODE: tl.constexpr, INT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
-    rows = (pid // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = (pid % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < N
     col_ok = cols < K
-    inside = row_ok[:, None] & col_ok[None, :]
-    delta = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for r in range(R):  # one explicit FMA a rank, in rank order: every pass computes the same bits
-        b = tl.load(b_ptr + rows * R + r, mask=row_ok, other=0.0)
-        a = tl.load(a_ptr + r * K + cols, mask=col_ok, other=0.0)
-        delta = tl.fma(b[:, None], a[None, :], delta)
-    rows64 = rows.to(tl.int64)[:, None]
-    w = tl.load(w_ptr + rows64 * stride_w + cols[None, :], mask=inside, other=0.0)
-    if MODE == 3:  # unmerge, in place
-        undone = (w.to(tl.float32) - delta).to(w.dtype)
-        tl.store(w_ptr + rows64 * stride_w + cols[None, :], undone, mask=inside)
-        bits = tl.where(inside, undone.to(INT, bitcast=True).to(tl.int64), 0)
-        tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum(bits, axis=1), axis=0))
-    else:
-        merged = (w.to(tl.float32) + delta).to(w.dtype)
-        if MODE == 2:  # a merged copy
-            tl.store(out_ptr + rows64 * stride_out + cols[None, :], merged, mask=inside)
+    first_row = (pid // tiles_k) * (TILES * BLOCK_N)
+    sum_main = tl.zeros((), dtype=tl.int64)  # plan: the undo's bits; unmerge: the result's bits
+    sum_w = tl.zeros((), dtype=tl.int64)  # plan: W's bits
+    missed_all = tl.zeros((), dtype=tl.int64)  # plan: the misses
+    for t in range(TILES):
+        rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        inside = row_ok[:, None] & col_ok[None, :]
+        delta = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for r in range(R):  # one explicit FMA a rank, in rank order: every pass computes the same bits
+            b = tl.load(b_ptr + rows * R + r, mask=row_ok, other=0.0)
+            a = tl.load(a_ptr + r * K + cols, mask=col_ok, other=0.0)
+            delta = tl.fma(b[:, None], a[None, :], delta)
+        rows64 = rows.to(tl.int64)[:, None]
+        w = tl.load(w_ptr + rows64 * stride_w + cols[None, :], mask=inside, other=0.0)
+        if MODE == 3:  # unmerge, in place
+            undone = (w.to(tl.float32) - delta).to(w.dtype)
+            tl.store(w_ptr + rows64 * stride_w + cols[None, :], undone, mask=inside)
+            sum_main += tl.sum(tl.where(inside, undone.to(INT, bitcast=True).to(tl.int64), 0))
         else:
-            undone = (merged.to(tl.float32) - delta).to(w.dtype)
-            miss = (undone.to(INT, bitcast=True) != w.to(INT, bitcast=True)) & inside
-            missed = tl.sum(tl.sum(miss.to(tl.int32), axis=1), axis=0)
-            if MODE == 0:  # plan
-                bits = tl.where(inside, undone.to(INT, bitcast=True).to(tl.int64), 0)
-                tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum(bits, axis=1), axis=0))
-                bits = tl.where(inside, w.to(INT, bitcast=True).to(tl.int64), 0)
-                tl.atomic_add(stats_ptr + 4, tl.sum(tl.sum(bits, axis=1), axis=0))
-                if missed > 0:
-                    tl.atomic_add(stats_ptr, missed.to(tl.int64))
-            else:  # merge in place, keeping what the undo will miss
-                tl.store(w_ptr + rows64 * stride_w + cols[None, :], merged, mask=inside)
-                if missed > 0:
-                    start = tl.atomic_add(stats_ptr + 2, missed.to(tl.int64))
-                    flat = tl.reshape(miss, (BLOCK_N * BLOCK_K,))
-                    slot = start + tl.cumsum(flat.to(tl.int64), axis=0) - 1
-                    index = tl.reshape(rows64 * K + cols[None, :], (BLOCK_N * BLOCK_K,))
-                    keep = flat & (slot < fix_cap)
-                    tl.store(fix_index_ptr + slot, index, mask=keep)
-                    tl.store(fix_value_ptr + slot, tl.reshape(w, (BLOCK_N * BLOCK_K,)), mask=keep)
+            merged = (w.to(tl.float32) + delta).to(w.dtype)
+            if MODE == 2:  # a merged copy
+                tl.store(out_ptr + rows64 * stride_out + cols[None, :], merged, mask=inside)
+            else:
+                undone = (merged.to(tl.float32) - delta).to(w.dtype)
+                miss = (undone.to(INT, bitcast=True) != w.to(INT, bitcast=True)) & inside
+                missed = tl.sum(miss.to(tl.int32))
+                if MODE == 0:  # plan
+                    sum_main += tl.sum(tl.where(inside, undone.to(INT, bitcast=True).to(tl.int64), 0))
+                    sum_w += tl.sum(tl.where(inside, w.to(INT, bitcast=True).to(tl.int64), 0))
+                    missed_all += missed
+                else:  # merge in place, keeping what the undo will miss
+                    tl.store(w_ptr + rows64 * stride_w + cols[None, :], merged, mask=inside)
+                    if missed > 0:
+                        start = tl.atomic_add(stats_ptr + 2, missed.to(tl.int64))
+                        flat = tl.reshape(miss, (BLOCK_N * BLOCK_K,))
+                        slot = start + (tl.cumsum(flat.to(tl.int32), axis=0) - 1)
+                        index = tl.reshape(rows64 * K + cols[None, :], (BLOCK_N * BLOCK_K,))
+                        keep = flat & (slot < fix_cap)
+                        tl.store(fix_index_ptr + slot, index, mask=keep)
+                        tl.store(fix_value_ptr + slot, tl.reshape(w, (BLOCK_N * BLOCK_K,)), mask=keep)
+    if MODE == 3:
+        tl.atomic_add(stats_ptr + 3, sum_main)
+    if MODE == 0:
+        tl.atomic_add(stats_ptr + 1, sum_main)
+        tl.atomic_add(stats_ptr + 4, sum_w)
+        if missed_all > 0:
+            tl.atomic_add(stats_ptr, missed_all)
 
 
 def lora_merge_factors(a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,14 +136,15 @@ def _check(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: boo
 def _launch(mode: int, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, stats=None, out=None,
             fix_index=None, fix_value=None) -> None:
     n, k = weight.shape
-    block_n, block_k = _CUDA_TILE if launch_like_cuda(weight) else _INTERPRETER_TILE
+    launch = CUDA_LAUNCH if launch_like_cuda(weight) else _INTERPRETER_LAUNCH
+    rows_a_program = launch["BLOCK_N"] * launch["TILES"]
     out = weight if out is None else out  # unused pointers point at the weight
     stats = weight if stats is None else stats
     fix_cap = 0 if fix_index is None else fix_index.numel()
     fix_index, fix_value = (fix_index, fix_value) if fix_cap else (stats, weight)
-    _lora_merge_kernel[(cdiv(n, block_n) * cdiv(k, block_k),)](
+    _lora_merge_kernel[(cdiv(n, rows_a_program) * cdiv(k, launch["BLOCK_K"]),)](
         weight, out, a, b, stats, fix_index, fix_value, fix_cap, n, k, a.shape[0], weight.stride(0), out.stride(0),
-        MODE=mode, INT=_TRITON_BITS[weight.dtype], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        MODE=mode, INT=_TRITON_BITS[weight.dtype], **launch)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
