@@ -95,7 +95,7 @@ def l2_bytes() -> int:
 
 # (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills), x stages x programs per SM.
 SWEEP = [dict(block_n=bn, warps=w, stages=st, per_sm=ps)
-         for bn, w in ((64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4)]
+         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4, 8, 16)]
 
 
 def sweep_settings(config: dict):
