@@ -335,7 +335,7 @@ def test_module_convenience_refuses_a_weight_repacked_for_the_cpu_kernel():
 
 
 def test_launch_rule_at_the_qwen_shapes():
-    """~2 programs per SM on 132 SMs for the Qwen2.5-1.5B projections (static shapes only)."""
+    """~4 programs per SM on 132 SMs for the Qwen2.5-1.5B projections (static shapes only)."""
     from fastgrpo.kernels import _dispatch
 
     with _dispatch.triton_on_cpu(), _dispatch.cuda_launch_configs():
