@@ -300,6 +300,28 @@ def patched(*settings):
             setattr(obj, name, value)
 
 
+def apply_settings(settings: list[str]) -> dict:
+    """Each "module.attribute=literal" of `settings` set for the rest of the process (an A/B of a setting across the
+    processes of one call); returns {"module.attribute": value} for the rows."""
+    import ast
+    import importlib
+
+    applied = {}
+    for setting in settings:
+        target, sep, literal = setting.partition("=")
+        module_name, _, attribute = target.rpartition(".")
+        if not sep or not module_name:
+            raise SystemExit(f"--set {setting!r}: write MODULE.ATTRIBUTE=VALUE, e.g. "
+                             "fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attribute):
+            raise SystemExit(f"--set {setting!r}: {module_name} has no attribute {attribute!r}")
+        value = ast.literal_eval(literal)
+        setattr(module, attribute, value)
+        applied[target] = value
+    return applied
+
+
 def time_launch_configs(fn, configs, settings, rep: float = 30, now_rep: float | None = None, report=None):
     """A launch-configuration sweep: the GPU time (median of CUDA-graph replays) of `fn` under each of `configs`,
     `settings(config)` giving the (module, attribute, value) triples that select it. Returns `fn`'s time as the

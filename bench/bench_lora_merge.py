@@ -75,8 +75,8 @@ def measure(shapes, device, rep: float) -> list[dict]:
                         continue
                     ms = harness.kernel_ms(fn, warmup=rep / 4, rep=rep, return_mode="median")
                     moved = PASSES[pass_name] * weight.numel() * weight.element_size()
-                    row = dict(shape=shape, weight=name, n=n, k=k, rank=RANK, path=path, pass_=pass_name, ms=ms,
-                               gbps=moved / ms / 1e6, share_of_copy=moved / ms / 1e9 / rate)
+                    row = dict(shape=shape, weight=name, n=n, k=k, rank=RANK, path=path, ms=ms,
+                               gbps=moved / ms / 1e6, share_of_copy=moved / ms / 1e9 / rate, **{"pass": pass_name})
                     rows.append(row)
                     harness.emit(row)
             del weight, a, b
@@ -123,9 +123,9 @@ def main() -> int:
         harness.record("bench_lora_merge", rows)
     print(harness.markdown_table(
         ("shape", "weight", "[out, in]", "pass", "kernel ms", "torch ms", "kernel GB/s", "kernel share of copy rate"),
-        [(r["shape"], r["weight"], f'{r["n"]} x {r["k"]}', r["pass_"], f'{r["ms"]:.4f}',
+        [(r["shape"], r["weight"], f'{r["n"]} x {r["k"]}', r["pass"], f'{r["ms"]:.4f}',
           next(f'{t["ms"]:.4f}' for t in rows if t["path"] == "torch" and t["weight"] == r["weight"]
-               and t["shape"] == r["shape"] and t["pass_"] == r["pass_"]), f'{r["gbps"]:.0f}',
+               and t["shape"] == r["shape"] and t["pass"] == r["pass"]), f'{r["gbps"]:.0f}',
           f'{r["share_of_copy"]:.0%}') for r in rows if r["path"] == "kernel"]))
     if args.sweep and not args.dry_run:
         rows = sweep(args.shapes[:1], device)

@@ -16,7 +16,8 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py                   # GPU: qwen2.5-1.5b, rows 8 16 64
     python bench/bench_nf4_linear.py --rows 8 --rank 64
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
-                                                       # row count (columns a tile, warps, stages, programs per SM)
+                                                       # row count (columns a tile, warps, stages, programs per SM,
+                                                       # the tile's orientation)
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
@@ -94,13 +95,21 @@ def l2_bytes() -> int:
 
 
 # (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills), x stages x programs per SM.
-SWEEP = [dict(block_n=bn, warps=w, stages=st, per_sm=ps)
-         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4, 8, 16)]
+# Then the tile held as out^T (`_SWAP_AB`: W's tile the MMA's first operand), where a warp group's MMA takes 64 rows.
+SWEEP = [dict(block_n=bn, warps=w, stages=st, per_sm=ps, swap=False)
+         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4, 8, 16)] + [
+    dict(block_n=bn, warps=w, stages=3, per_sm=ps, swap=True) for bn, w in ((64, 4), (128, 8)) for ps in (2, 4)]
 
 
 def sweep_settings(config: dict):
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_NUM_WARPS", config["warps"]),
-            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"])]
+            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
+            (nf4_module, "_SWAP_AB", config["swap"])]
+
+
+def _name(config: dict) -> str:
+    return f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}" + (" swap" if config["swap"]
+                                                                                         else "")
 
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
@@ -108,12 +117,10 @@ def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
     now, timings = harness.time_launch_configs(ours, SWEEP, sweep_settings, rep=20)
     best_ms, best = timings[0]
     print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "
-          + ", ".join(f"{c['block_n']}/{c['warps']}/{c['stages']}/{c['per_sm']}: {t * 1e3 / copies:.1f}"
-                      for t, c in timings))
+          + ", ".join(f"{_name(c)}: {t * 1e3 / copies:.1f}" for t, c in timings))
     return dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies, sweep=True,
                 now_us=now * 1e3 / copies, best_us=best_ms * 1e3 / copies, best=best,
-                timings_us={f"{c['block_n']}/{c['warps']}/{c['stages']}/{c['per_sm']}": t * 1e3 / copies
-                            for t, c in timings})
+                timings_us={_name(c): t * 1e3 / copies for t, c in timings})
 
 
 def main(argv=None):

@@ -36,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _harness as harness  # noqa: E402
 from grpo_step import GROUP, LORA_RANK, PROMPT, grpo_loss, qwen25_15b_config  # noqa: E402
 
 import fastgrpo  # noqa: E402
@@ -275,8 +276,14 @@ def main() -> int:
                         help="LoRA layers the generator decodes merged ('all' dequantizes the 4-bit bases into a "
                         "bf16 copy)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU is fine)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                        help="a module setting for this process, recorded in the row (repeatable), e.g. "
+                        "fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64: an A/B across two processes of one call")
     args = parser.parse_args()
+    settings = harness.apply_settings(args.set)
     result = run(args)
+    if settings:
+        result["settings"] = settings
     if os.environ.get("OUT"):
         name = "grpo_qlora_step_offload.json" if args.offload else "grpo_qlora_step.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:

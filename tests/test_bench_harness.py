@@ -153,6 +153,34 @@ def test_a_launch_configuration_sweep_times_each_and_puts_the_setting_back():
     assert timings[0][0] < now < timings[1][0]
 
 
+def test_settings_for_a_process_are_set_and_named_and_bad_ones_refused(monkeypatch):
+    from fastgrpo.kernels import nf4_lora_linear as nf4
+
+    monkeypatch.setattr(nf4, "_BLOCK_N", nf4._BLOCK_N)  # put back after the test
+    monkeypatch.setattr(nf4, "_SWAP_AB", nf4._SWAP_AB)
+    applied = harness.apply_settings(["fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64",
+                                      "fastgrpo.kernels.nf4_lora_linear._SWAP_AB=True"])
+    assert applied == {"fastgrpo.kernels.nf4_lora_linear._BLOCK_N": 64, "fastgrpo.kernels.nf4_lora_linear._SWAP_AB": True}
+    assert nf4._BLOCK_N == 64 and nf4._SWAP_AB is True
+    for bad, words in (("_BLOCK_N=64", "MODULE.ATTRIBUTE=VALUE"), ("fastgrpo.kernels.nf4_lora_linear._BLOCK_N", "e.g."),
+                       ("fastgrpo.kernels.nf4_lora_linear._NO_SUCH=1", "no attribute")):
+        with pytest.raises(SystemExit, match=words):
+            harness.apply_settings([bad])
+
+
+def test_the_lora_merge_bench_runs_on_the_cpu(capsys):
+    import sys
+
+    from bench import bench_lora_merge
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["bench_lora_merge.py", "--dry-run", "--shapes", "qwen2.5-1.5b"])
+        mp.setenv("TRITON_INTERPRET", "1")
+        assert bench_lora_merge.main() == 0
+    out = capsys.readouterr().out
+    assert "| qwen2.5-1.5b | gate | 24 x 40 | merge+undo |" in out and "| qwen2.5-1.5b | qkv | 40 x 24 | copy |" in out
+
+
 def _row(system, step_ms, peak, shape="qwen2.5-0.5b", completion=1024, error=None):
     return dict(shape=shape, system=system, prompt=256, completion=completion, spread=False, step_ms=step_ms,
                 peak_gib=peak, tokens_per_s=None if step_ms is None else round(10240 / step_ms * 1e3), error=error)

@@ -227,7 +227,9 @@ def _run_every_op():
                          scale=head_dim ** -0.5, **options)
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
-    # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x.
+    # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; both tile
+    # orientations.
+    nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
             (64, 8960, 1536, torch.bfloat16, 64, True, 64, torch.bfloat16, False),
@@ -241,8 +243,13 @@ def _run_every_op():
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant,
-                        **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+        for swap in (False, True):  # the tile held as out and as out^T
+            nf4_module._SWAP_AB = swap
+            try:
+                nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
+                                **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+            finally:
+                nf4_module._SWAP_AB = False
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.

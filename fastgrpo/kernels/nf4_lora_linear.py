@@ -51,6 +51,9 @@ MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A liv
 # projection but gate/up (34.3 us against 32.0), 133 us a layer against 152 for 64 columns and 2 an SM.
 _PROGRAMS_PER_SM = 4
 _BLOCK_N = 32
+# The tile held as out^T (W's dequantized tile the dots' first operand, x^T the second) rather than out: the A/B lever
+# of `python bench/bench_nf4_linear.py --rows 64 --sweep`; not measured yet, so off.
+_SWAP_AB = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -83,7 +86,7 @@ def _nf4_lora_linear_kernel(
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
-    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -91,7 +94,10 @@ def _nf4_lora_linear_kernel(
     # carried in registers: the table lookups (gathers whose addresses are those bytes) and the dots then never wait
     # on HBM or L2.
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
-    # every value is fp32 and the dots run in full fp32 (fp32 x, and the interpreter, whose half arithmetic is wrong).
+    # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
+    # arithmetic is wrong).
+    # SWAP: the program holds out^T's [BN, BM] tile, W's dequantized tile the dots' first operand (which Hopper's MMA
+    # may take from registers) and x^T the second; else out's [BM, BN], x first. The same products and sums.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -108,12 +114,18 @@ def _nf4_lora_linear_kernel(
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
         offset = tl.load(offset_ptr).to(tl.float32)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
         r_ok = rr < RANK
         a_rows = a_ptr + rr[:, None] * sar
-        xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
+        if SWAP:
+            xa = tl.zeros((R_PAD, BM), dtype=tl.float32)
+        else:
+            xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
@@ -141,33 +153,53 @@ def _nf4_lora_linear_kernel(
         w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
         w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
         if NATIVE:
-            acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+            w = w.to(x_ptr.dtype.element_ty)
+            if LORA:
+                a = a.to(x_ptr.dtype.element_ty)
         else:
             x = x.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        if LORA:
-            if NATIVE:
-                xa = tl.dot(x, tl.trans(a.to(x_ptr.dtype.element_ty)), xa)
-            else:
-                xa = tl.dot(x, tl.trans(a.to(tl.float32)), xa, input_precision="ieee")
+            if LORA:
+                a = a.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            if LORA:
+                xa = tl.dot(a, tl.trans(x), xa, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if LORA:
+                xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
     if LORA:
         b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         xa = xa * scaling
         if NATIVE:
-            acc = tl.dot(xa.to(x_ptr.dtype.element_ty), tl.trans(b.to(x_ptr.dtype.element_ty)), acc)
+            b = b.to(x_ptr.dtype.element_ty)
+            xa = xa.to(x_ptr.dtype.element_ty)
         else:
-            acc = tl.dot(xa, tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-    mask = m_ok[:, None] & n_ok[None, :]
+            b = b.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(b, xa, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(xa, tl.trans(b), acc, input_precision=PRECISION)
+    if SWAP:  # out^T's tile: element (n, m)
+        mask = n_ok[:, None] & m_ok[None, :]
+        out_offsets = rm.to(tl.int64)[None, :] * som + rn[:, None]
+        part_offsets = rm.to(tl.int64)[None, :] * N + rn[:, None]
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        out_offsets = rm.to(tl.int64)[:, None] * som + rn[None, :]
+        part_offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if SPLITS == 1:
         if BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            bias_n = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if SWAP:
+                acc += bias_n[:, None]
+            else:
+                acc += bias_n[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
         plane = (tl.zeros((), dtype=tl.int64) + M) * N  # one split's [M, N] partials (64-bit offsets)
-        partial = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(partial + pid_k * plane, acc, mask=mask)
+        tl.store(part_ptr + part_offsets + pid_k * plane, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
@@ -207,7 +239,7 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, SWAP=_SWAP_AB)
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -245,6 +277,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     lora = lora_a is not None
     rank = lora_a.shape[0] if lora else 0
     cuda = launch_like_cuda(x2)
+    native = cuda and x2.dtype != torch.float32
     _nf4_lora_linear_kernel[grid](
         x2, packed, absmax, code, nested_absmax if nested else absmax, nested_code if nested else code,
         offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
@@ -254,7 +287,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=cuda and x2.dtype != torch.float32, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        NATIVE=native, PRECISION=None if native else "ieee", SWAP=config["SWAP"],
+        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
