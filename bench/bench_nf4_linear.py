@@ -95,21 +95,22 @@ def l2_bytes() -> int:
 
 
 # (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills), x stages x programs per SM.
-# Then the tile held as out^T (`_SWAP_AB`: W's tile the MMA's first operand), where a warp group's MMA takes 64 rows.
-SWEEP = [dict(block_n=bn, warps=w, stages=st, per_sm=ps, swap=False)
-         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (1, 3) for ps in (2, 4, 8, 16)] + [
-    dict(block_n=bn, warps=w, stages=3, per_sm=ps, swap=True) for bn, w in ((64, 4), (128, 8)) for ps in (2, 4)]
+# Then the tile held as out^T (`_SWAP_AB`: W's tile the MMA's first operand) and the loads left to Triton's software
+# pipeline (`_PREFETCH` off), each and both. (Stages 1 and 3 timed alike with the kernel's own prefetch.)
+SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, swap=swap, prefetch=prefetch)
+         for swap, prefetch in ((False, True), (True, True), (False, False), (True, False))
+         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for ps in ((2, 4, 8, 16) if prefetch and not swap else (2, 4))]
 
 
 def sweep_settings(config: dict):
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
-            (nf4_module, "_SWAP_AB", config["swap"])]
+            (nf4_module, "_SWAP_AB", config["swap"]), (nf4_module, "_PREFETCH", config["prefetch"])]
 
 
 def _name(config: dict) -> str:
-    return f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}" + (" swap" if config["swap"]
-                                                                                         else "")
+    return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
+            + (" swap" if config["swap"] else "") + ("" if config["prefetch"] else " pipelined"))
 
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:

@@ -228,7 +228,7 @@ def _run_every_op():
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; both tile
-    # orientations.
+    # orientations, and the loads left to the software pipeline.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
@@ -243,13 +243,13 @@ def _run_every_op():
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        for swap in (False, True):  # the tile held as out and as out^T
-            nf4_module._SWAP_AB = swap
+        for swap, prefetch in ((False, True), (True, True), (False, False)):  # the tile as out or out^T; the loads
+            nf4_module._SWAP_AB, nf4_module._PREFETCH = swap, prefetch  # prefetched or pipelined
             try:
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
             finally:
-                nf4_module._SWAP_AB = False
+                nf4_module._SWAP_AB, nf4_module._PREFETCH = False, True
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.

@@ -26,7 +26,7 @@ of the step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 
 scales them, sets the even and odd columns side by side (`tl.join`) and multiplies x's [BM, BK] tile by the
 [BN, BK] result in one `tl.dot` (M padded to 16: tensor cores at every M; the weight cast to x's dtype as
 bitsandbytes casts it). A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so
-that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along
+that the gathers and the dots never wait on memory (`_PREFETCH`; or left to Triton's software pipeline). Its share of x @ A^T (A's columns of its K range) rides along
 on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is
 linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not
 split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter; the last
@@ -54,6 +54,9 @@ _BLOCK_N = 32
 # The tile held as out^T (W's dequantized tile the dots' first operand, x^T the second) rather than out: the A/B lever
 # of `python bench/bench_nf4_linear.py --rows 64 --sweep`; not measured yet, so off.
 _SWAP_AB = False
+# Loads carried in registers a step or two ahead (the kernel's own prefetch) rather than left to Triton's software
+# pipeline: the same sweep's other lever, on until measured.
+_PREFETCH = True
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -87,12 +90,14 @@ def _nf4_lora_linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
-    # A step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step ahead,
-    # carried in registers: the table lookups (gathers whose addresses are those bytes) and the dots then never wait
-    # on HBM or L2.
+    # PREFETCH: a step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step
+    # ahead, carried in registers, so that the table lookups (gathers whose addresses are those bytes) and the dots
+    # never wait on HBM or L2; it costs registers (sm_90, triton 3.6, 32 columns, 64 rows: 210 against 136 with the
+    # loads left to the software pipeline).
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
@@ -126,25 +131,33 @@ def _nf4_lora_linear_kernel(
             xa = tl.zeros((R_PAD, BM), dtype=tl.float32)
         else:
             xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
-    p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED)
-    p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED)
-    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-    if LORA:
-        a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
-    for k in range(k_lo, k_hi, BK):
-        packed, stat, nested = p1, s1, t1
-        x = x1
-        x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
-                     other=0.0)
+    if PREFETCH:
+        p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
+                                 NESTED_BLOCKSIZE, NESTED)
+        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
+                                 NESTED_BLOCKSIZE, NESTED)
+        x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
         if LORA:
-            a = a1
-            a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak, mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+            a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
+    for k in range(k_lo, k_hi, BK):
+        if PREFETCH:
+            packed, stat, nested = p1, s1, t1
+            x = x1
+            x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
                          other=0.0)
-        p1, s1, t1 = p2, s2, t2
-        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
-                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+            if LORA:
+                a = a1
+                a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak,
+                             mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :], other=0.0)
+            p1, s1, t1 = p2, s2, t2
+            p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
+                                     BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+        else:  # the loads where they are used: Triton's software pipeline (num_stages) stages them
+            packed, stat, nested = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi,
+                                               BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+            x = tl.load(x_rows + (k + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
+            if LORA:
+                a = tl.load(a_rows + (k + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
         if NESTED:
             scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
@@ -239,7 +252,8 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, SWAP=_SWAP_AB)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, SWAP=_SWAP_AB,
+                PREFETCH=_PREFETCH)
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -287,7 +301,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=native, PRECISION=None if native else "ieee", SWAP=config["SWAP"],
+        NATIVE=native, PRECISION=None if native else "ieee", SWAP=config["SWAP"], PREFETCH=config["PREFETCH"],
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
