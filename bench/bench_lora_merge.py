@@ -32,7 +32,8 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     """[out, in] of a decoder layer's merged weights: gate (and up), down, o in place; q/k/v joined, a copy."""
     hidden, inter = harness.mlp_shape(shape)
     hq, hkv, d = harness.attention_shape(shape)
-    return {"gate": (inter, hidden), "down": (hidden, inter), "o": (hidden, hq * d), "qkv": ((hq + 2 * hkv) * d, hidden)}
+    return {"gate": (inter, hidden), "down": (hidden, inter), "o": (hidden, hq * d),
+            "qkv": ((hq + 2 * hkv) * d, hidden)}
 
 
 def case(n: int, k: int, device):

@@ -99,7 +99,8 @@ def l2_bytes() -> int:
 # pipeline (`_PREFETCH` off), each and both. (Stages 1 and 3 timed alike with the kernel's own prefetch.)
 SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, swap=swap, prefetch=prefetch)
          for swap, prefetch in ((False, True), (True, True), (False, False), (True, False))
-         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for ps in ((2, 4, 8, 16) if prefetch and not swap else (2, 4))]
+         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
+         for ps in ((2, 4, 8, 16) if prefetch and not swap else (2, 4))]
 
 
 def sweep_settings(config: dict):

@@ -160,7 +160,8 @@ def test_settings_for_a_process_are_set_and_named_and_bad_ones_refused(monkeypat
     monkeypatch.setattr(nf4, "_SWAP_AB", nf4._SWAP_AB)
     applied = harness.apply_settings(["fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64",
                                       "fastgrpo.kernels.nf4_lora_linear._SWAP_AB=True"])
-    assert applied == {"fastgrpo.kernels.nf4_lora_linear._BLOCK_N": 64, "fastgrpo.kernels.nf4_lora_linear._SWAP_AB": True}
+    assert applied == {"fastgrpo.kernels.nf4_lora_linear._BLOCK_N": 64,
+                       "fastgrpo.kernels.nf4_lora_linear._SWAP_AB": True}
     assert nf4._BLOCK_N == 64 and nf4._SWAP_AB is True
     for bad, words in (("_BLOCK_N=64", "MODULE.ATTRIBUTE=VALUE"), ("fastgrpo.kernels.nf4_lora_linear._BLOCK_N", "e.g."),
                        ("fastgrpo.kernels.nf4_lora_linear._NO_SUCH=1", "no attribute")):

@@ -45,10 +45,11 @@ _PLAN, _MERGE, _COPY, _UNMERGE = 0, 1, 2, 3
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _TRITON_BITS = {torch.bfloat16: tl.int16, torch.float16: tl.int16, torch.float32: tl.int32}
 # A program's work on CUDA: TILES tiles of [BLOCK_N, BLOCK_K] down one column block, its sums kept in registers and
-# added to stats once. 16 elements a thread keep the in-place merge at ~110 registers; 8192 a tile took 255 and
-# spilled (the 8B rollout's merges: 210 ms). On one H100 an 8B gate's plan + merge + undo takes 0.81 ms, the best of
-# the sweep's configurations 0.72 (not worth a rule), the DRAM floor ~0.2: `python bench/bench_lora_merge.py --sweep`.
-# Small tiles in the interpreter, so that small test shapes span several tiles, programs and their edges.
+# added to stats once. 16 elements a thread keep the in-place merge at 117 registers (sm_90 build of triton 3.6, read
+# with cuobjdump --dump-resource-usage); 8192 a tile took 255 and spilled (the 8B rollout's merges: 210 ms). On one H100
+# an 8B gate's plan + merge + undo takes 0.81 ms, the best of the sweep's configurations 0.72 (not worth a rule), the
+# DRAM floor ~0.2: `python bench/bench_lora_merge.py --sweep`. Small tiles in the interpreter, so that small test shapes
+# span several tiles, programs and their edges.
 CUDA_LAUNCH = {"BLOCK_N": 8, "BLOCK_K": 256, "TILES": 4, "num_warps": 4}
 _INTERPRETER_LAUNCH = {"BLOCK_N": 4, "BLOCK_K": 16, "TILES": 2, "num_warps": 1}
 
