@@ -103,6 +103,19 @@ run_step() {
     offload) step offload 150 "$OURS" python3 bench/bench_offload.py --completions 4096,16384 $STEP_ARGS ;;
     offload_save) step offload_save 130 "$OURS" python3 bench/bench_offload.py --system fastgrpo_save --completions 4096,16384 $STEP_ARGS ;;
     qlora) step qlora 200 "$OURS TORCH_LOGS=recompiles" python3 bench/grpo_qlora_step.py --offload ;;
+    # The QLoRA whole step under each of QLORA_AB's settings (";"-separated lists of MODULE.ATTR=VALUE for
+    # grpo_qlora_step.py --set; an empty list is the tree as it is), one process each, in order (list them twice to
+    # alternate); QLORA_CAP seconds a run. E.g. the NF4 kernel's launch before 394fb62 against the tree:
+    # QLORA_AB="fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64 fastgrpo.kernels.nf4_lora_linear._PROGRAMS_PER_SM=2;;" (then
+    # the tree; repeat the whole string, ending in ";;", to alternate twice)
+    qlora_ab)
+      local n=0 settings s
+      IFS=';' read -ra QLORA_RUNS <<< "${QLORA_AB:-;}"
+      for settings in "${QLORA_RUNS[@]}"; do
+        local flags=""
+        for s in $settings; do flags="$flags --set $s"; done
+        n=$((n + 1)); step "qlora_ab_$n" ${QLORA_CAP:-120} "$OURS" python3 bench/grpo_qlora_step.py --offload --steps 3 $flags
+      done ;;
     # Rollouts: the engine's tokens/s against the weight + KV read limit (GENERATION_ARGS, e.g. --shape gemma3-1b),
     # and its decode attention kernel against SDPA over the whole cache.
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
