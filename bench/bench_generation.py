@@ -78,6 +78,9 @@ def parse_args(argv=None):
                    help="0: the LoRA merge runs PEFT's delta and torch's passes (adapters.MERGE_KERNEL off)")
     p.add_argument("--compact-cache", type=int, default=1,
                    help="0: every row keeps its prompt slots in the KV cache (engine.COMPACT_CACHE off)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="a module setting for this process, recorded in the rows (repeatable), e.g. "
+                   "fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=0")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1
@@ -180,6 +183,7 @@ def main(argv=None):
     engine_module.GROUPED_PROMPT_ATTENTION = args.grouped_prompt
     engine_module.COMPACT_CACHE = bool(args.compact_cache)
     adapters.MERGE_KERNEL = bool(args.merge_kernel)
+    settings = harness.apply_settings(args.set)
     if args.fused_sampling is not None:
         sampling_module.FUSED = bool(args.fused_sampling)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -241,7 +245,7 @@ def main(argv=None):
                    compile_sampling=bool(args.compile_sampling), fused_sampling=sampling_module.FUSED,
                    join_qkv=bool(args.join_qkv), prompt_len=args.prompt_len, generations=args.generations,
                    shared_prompt_slots=bool(args.shared_prompt_slots), grouped_prompt=args.grouped_prompt,
-                   compact_cache=engine_module.COMPACT_CACHE, merge_kernel=adapters.MERGE_KERNEL,
+                   compact_cache=engine_module.COMPACT_CACHE, merge_kernel=adapters.MERGE_KERNEL, settings=settings,
                    cache_gib=cache_storage_gib(decoder),
                    seconds=seconds, copy_tbps=harness.copy_tbps(),
                    first_call_s=first, tokens_per_s=tokens / seconds, limit_tokens_per_s=tokens / limit,

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastgrpo.kernels import decode_attention as decode_module
 from fastgrpo.kernels._dispatch import triton_on_cpu
 from fastgrpo.kernels.decode_attention import (
     PROMPT_GROUP_ROWS,
@@ -101,17 +102,18 @@ shapes = st.tuples(
     st.sampled_from([16, 32, 64, 80, 128]), st.integers(8, 72), st.integers(0, 3),
     st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([None, 3, 16]),
     st.sampled_from([None, 5.0, 30.0]), st.booleans(), st.booleans(), st.integers(1, 4),
-    st.sampled_from([None, "rows", "groups"]),
+    st.sampled_from([None, "rows", "groups"]), st.booleans(),
 )
 
 
 @settings(max_examples=25)
 @given(shapes)
 def test_triton_kernel_matches_the_float64_reference(params):
-    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared = params
+    """Also with the slot offsets 64-bit (`wide`: as caches of 2^31 elements or more take them)."""
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared, wide = params
     inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
                            shared=shared)
-    with triton_on_cpu(), nan_scratch():
+    with triton_on_cpu(), nan_scratch(), mock.patch.object(decode_module, "WIDE_OFFSETS_FROM", 1 if wide else 2**31):
         run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1),
                                                          prompt_splits=splits if shared == "groups" else None))
 
@@ -119,7 +121,7 @@ def test_triton_kernel_matches_the_float64_reference(params):
 @settings(max_examples=25)
 @given(shapes)
 def test_torch_path_matches_the_float64_reference(params):
-    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, _, shared = params
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, _, shared, _ = params
     inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
                            shared=shared)
     run(inputs, options, decode_attention)

@@ -53,6 +53,14 @@ _PROMPT_DOT_ROWS = 64  # rows x heads a prompt program holds at most (its querie
 # Qwen2.5-1.5B and Gemma-3-1B (1 KiB) 0.93-3.6x. Whole steps (`bash bench/device_session.sh train_step`,
 # `--grouped-prompt 1|0`): Phi-3-mini generation 3.81 against 4.64 s, Llama-3.1-8B (4 KiB) 4.72 against 4.59 s.
 GROUPED_PROMPT_MIN_BYTES = 8192
+# Caches spanning this many elements or more take 64-bit slot offsets in the kernels (`WIDE`); smaller ones 32-bit,
+# at head dims up to NARROW_OFFSETS_MAX_DIM. sm_90 builds (triton 3.6, cuobjdump --dump-resource-usage) of the rows'
+# kernel at 4 warps: head dim 128 (64 slots a block) 168 registers and no spill with 32-bit offsets, 254-255 and up to
+# 360 bytes of spill with 64-bit ones; head dim 256 (32 slots a block) 255 and 88 bytes of spill with 32-bit, 254 and
+# none with 64-bit. Not timed yet: `python bench/bench_generation.py --set
+# fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=0` runs the rollouts with 64-bit offsets throughout.
+WIDE_OFFSETS_FROM = 2**31
+NARROW_OFFSETS_MAX_DIM = 128
 
 
 @triton.jit
@@ -83,6 +91,15 @@ def _attend_block(q, k, v, n_ok, m, l, acc, scale, softcap, SOFTCAP: tl.constexp
 
 
 @triton.jit
+def _slot_offsets(n, d, stride, WIDE: tl.constexpr):
+    """[BLOCK_N, D_PAD] element offsets of slots n, dims d from a head's start: 64-bit where WIDE, else 32-bit."""
+    slots = n[:, None]
+    if WIDE:
+        slots = slots.to(tl.int64)
+    return slots * stride + d[None, :]
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, length_ptr, prompt_rows_ptr, prompt_len_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
@@ -91,10 +108,12 @@ def _decode_partial_kernel(
     scale, softcap,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr, SHARED: tl.constexpr,
-    OWN_ONLY: tl.constexpr, PART_SPLITS: tl.constexpr, PART_BASE: tl.constexpr,
+    OWN_ONLY: tl.constexpr, PART_SPLITS: tl.constexpr, PART_BASE: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     # OWN_ONLY: the prompt kernel took slots [0, prompt_len); this one walks the rest. Partials go to splits
     # [PART_BASE, PART_BASE + SPLITS) of PART_SPLITS.
+    # WIDE: a block's slot offsets in 64 bits (a cache of 2^31 elements or more needs them; see WIDE_OFFSETS_FROM for
+    # the registers either takes); else 32-bit offsets from the head's (or, SHARED, the cache's) start.
     # NATIVE: the dots take the half-precision inputs as they are (CUDA); else every value is fp32 and the dots run
     # in full fp32 (fp32 models, and the interpreter, whose half-precision arithmetic is wrong).
     i = tl.program_id(0)
@@ -142,13 +161,15 @@ def _decode_partial_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         if SHARED:  # each slot's cache row: the prompt's for prompt slots, the row's own after them
             source = tl.where(n < prompt_len, prompt_row, row)[:, None]
-            k_at = k_ptr + source * sk0 + h * sk1 + n[:, None].to(tl.int64) * sk2
-            v_at = v_ptr + source * sv0 + h * sv1 + n[:, None].to(tl.int64) * sv2
+            if not WIDE:
+                source = source.to(tl.int32)
+            k_at = k_ptr + h * sk1 + (source * sk0 + _slot_offsets(n, d, sk2, WIDE))
+            v_at = v_ptr + h * sv1 + (source * sv0 + _slot_offsets(n, d, sv2, WIDE))
         else:
-            k_at = k_ptr + row * sk0 + h * sk1 + n[:, None].to(tl.int64) * sk2
-            v_at = v_ptr + row * sv0 + h * sv1 + n[:, None].to(tl.int64) * sv2
-        k = tl.load(k_at + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_at + d[None, :], mask=kv_mask, other=0.0)
+            k_at = k_ptr + row * sk0 + h * sk1 + _slot_offsets(n, d, sk2, WIDE)
+            v_at = v_ptr + row * sv0 + h * sv1 + _slot_offsets(n, d, sv2, WIDE)
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
         if not NATIVE:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -170,7 +191,7 @@ def _decode_prompt_kernel(
     sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, scale, softcap,
     G: tl.constexpr, MEMBERS: tl.constexpr, WIDTH: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     # Program (chunk e of a prompt_groups entry, KV head h, split s): MEMBERS rows of the entry x G heads as the rows
     # of the dots, over the entry's prompt slots [start, prompt_len) (the last WINDOW of the row's slots).
@@ -210,8 +231,8 @@ def _decode_prompt_kernel(
         n = block + tl.arange(0, BLOCK_N)
         n_ok = n < s_hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None].to(tl.int64) * sk2 + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * sv2 + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + _slot_offsets(n, d, sk2, WIDE), mask=kv_mask, other=0.0)
+        v = tl.load(v_base + _slot_offsets(n, d, sv2, WIDE), mask=kv_mask, other=0.0)
         if not NATIVE:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -245,6 +266,11 @@ def _decode_combine_kernel(
         total += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - top)
     result = tl.sum(weight[:, None] * o, axis=0) / total
     tl.store(out_ptr + i * so0 + head * so1 + d, result, mask=d < D)
+
+
+def _offset_span(t: torch.Tensor) -> int:
+    """One past the largest element offset of `t` (its storage span in elements, whatever its strides)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def _splits(batch: int, kv_heads: int, slots: int, block_n: int, device: torch.device) -> int:
@@ -285,6 +311,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
     num_warps = num_warps or (4 if cuda else 1)
     num_stages = num_stages or (2 if cuda else 1)
     native = cuda and k_cache.dtype != torch.float32
+    wide = d_pad > NARROW_OFFSETS_MAX_DIM or max(_offset_span(k_cache), _offset_span(v_cache)) >= WIDE_OFFSETS_FROM
     members = _prompt_members(group)
     chunks = prompt_groups.shape[0] * (PROMPT_GROUP_ROWS // members) if prompt_groups is not None else 0
     if prompt_groups is not None and prompt_splits is None:  # as many programs as the rows' kernel, by static facts
@@ -302,7 +329,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
             v_cache.stride(1), v_cache.stride(2), float(scale), float(softcap or 0.0),
             G=group, MEMBERS=members, WIDTH=PROMPT_GROUP_ROWS, M_PAD=m_pad, D=d, D_PAD=d_pad, BLOCK_N=block_n,
             SPLITS=prompt_splits, PART_SPLITS=total, WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
-            num_warps=num_warps, num_stages=num_stages,
+            WIDE=wide, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, rows, start, length,
@@ -314,7 +341,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, rows, start, length, scale
         G=group, G_PAD=max(16, next_power_of_2(group)), D=d, D_PAD=d_pad, BLOCK_N=block_n, SPLITS=splits,
         WINDOW=int(window or 0), SOFTCAP=bool(softcap), NATIVE=native,
         SHARED=prompt_rows is not None and prompt_groups is None, OWN_ONLY=prompt_groups is not None,
-        PART_SPLITS=total, PART_BASE=base, num_warps=num_warps, num_stages=num_stages,
+        PART_SPLITS=total, PART_BASE=base, WIDE=wide, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     _decode_combine_kernel[(b, hq)](
