@@ -287,3 +287,23 @@ def test_the_rollout_limit_reads_the_experts_the_rows_pick():
 
     assert step_bytes(1) == pytest.approx(dense + experts * 8 / 128)
     assert step_bytes(1024) == pytest.approx(dense + experts)
+
+
+def test_kernel_resources_builds_a_recorded_launch_for_sm90_and_reads_its_registers(tmp_path):
+    """bench/kernel_resources.py's build step on one recorded launch (the rollout merge's in-place pass): a row with
+    its registers and spill bytes, read from the sm_90 build's cubin."""
+    from bench import kernel_resources
+
+    launch = {"module": "fastgrpo.kernels.lora_merge", "name": "_lora_merge_kernel", "options": {"num_warps": 4},
+              "args": {"w_ptr": ["type", "*bf16"], "out_ptr": ["type", "*bf16"], "a_ptr": ["type", "*fp32"],
+                       "b_ptr": ["type", "*fp32"], "stats_ptr": ["type", "*i64"], "fix_index_ptr": ["type", "*i64"],
+                       "fix_value_ptr": ["type", "*bf16"], "fix_cap": ["type", "i64"], "N": ["type", "i32"],
+                       "K": ["type", "i32"], "R": ["type", "i32"], "stride_w": ["type", "i32"],
+                       "stride_out": ["type", "i32"], "MODE": ["constexpr", 1], "INT": ["tl_dtype", "int16"],
+                       "BLOCK_N": ["constexpr", 8], "BLOCK_K": ["constexpr", 256], "TILES": ["constexpr", 4]}}
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps([launch, launch]))
+    rows = kernel_resources.build(str(path), None, [])
+    assert len(rows) == 1 and "error" not in rows[0], rows  # one build for two equal launches
+    assert 0 < rows[0]["registers"] <= 255 and rows[0]["spill_bytes"] == 0
+    assert kernel_resources.build(str(path), None, ["_other_kernel"]) == []
