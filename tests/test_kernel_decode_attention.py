@@ -109,11 +109,12 @@ shapes = st.tuples(
 @settings(max_examples=25)
 @given(shapes)
 def test_triton_kernel_matches_the_float64_reference(params):
-    """Also with the slot offsets 64-bit (`wide`: as caches of 2^31 elements or more take them)."""
-    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared, wide = params
+    """With the slot offsets 32-bit (`narrow`, at every head dim here) or 64-bit."""
+    seed, b, hkv, group, d, slots, extra_rows, dtype, window, softcap, sinks, strided, splits, shared, narrow = params
     inputs, options = case(seed, b, hkv, group, d, slots, b + extra_rows, dtype, window, softcap, sinks, strided,
                            shared=shared)
-    with triton_on_cpu(), nan_scratch(), mock.patch.object(decode_module, "WIDE_OFFSETS_FROM", 1 if wide else 2**31):
+    narrow_offsets = mock.patch.object(decode_module, "NARROW_OFFSETS_MAX_DIM", 256 if narrow else 0)
+    with triton_on_cpu(), nan_scratch(), narrow_offsets:
         run(inputs, options, lambda **kw: _triton_decode(**kw, splits=min(splits, -(-slots // 64) + 1),
                                                          prompt_splits=splits if shared == "groups" else None))
 
@@ -351,9 +352,11 @@ def test_no_backward():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("shared", [None, "rows", "groups"])
 @pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "gemma3-1b", "phi-3-mini"])
-def test_gpu_kernel_at_real_shapes(shape, shared):
+def test_gpu_kernel_at_real_shapes(shape, shared, narrow, monkeypatch):
+    monkeypatch.setattr(decode_module, "NARROW_OFFSETS_MAX_DIM", 256 if narrow else 0)
     b, hkv, group, d, window, softcap = {"qwen2.5-1.5b": (128, 2, 6, 128, None, None),
                                          "gemma3-1b": (64, 1, 4, 256, 512, 50.0),
                                          "phi-3-mini": (64, 32, 1, 96, 2047, None)}[shape]

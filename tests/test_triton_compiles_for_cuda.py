@@ -225,14 +225,13 @@ def _run_every_op():
         start = torch.zeros(batch + 1, dtype=torch.int64)
         decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
                          scale=head_dim ** -0.5, **options)
-        if dtype == torch.bfloat16 and head_dim == 128:  # and with 64-bit slot offsets, as caches of 2^31 take them
-            decode_module = importlib.import_module("fastgrpo.kernels.decode_attention")
-            decode_module.WIDE_OFFSETS_FROM = 1
-            try:
-                decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start,
-                                 torch.tensor(slots // 2), scale=head_dim ** -0.5, **options)
-            finally:
-                decode_module.WIDE_OFFSETS_FROM = 2**31
+        decode_module = importlib.import_module("fastgrpo.kernels.decode_attention")
+        decode_module.NARROW_OFFSETS_MAX_DIM = 256  # and with 32-bit slot offsets
+        try:
+            decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
+                             scale=head_dim ** -0.5, **options)
+        finally:
+            decode_module.NARROW_OFFSETS_MAX_DIM = 0
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; both tile

@@ -53,14 +53,14 @@ _PROMPT_DOT_ROWS = 64  # rows x heads a prompt program holds at most (its querie
 # Qwen2.5-1.5B and Gemma-3-1B (1 KiB) 0.93-3.6x. Whole steps (`bash bench/device_session.sh train_step`,
 # `--grouped-prompt 1|0`): Phi-3-mini generation 3.81 against 4.64 s, Llama-3.1-8B (4 KiB) 4.72 against 4.59 s.
 GROUPED_PROMPT_MIN_BYTES = 8192
-# Caches spanning this many elements or more take 64-bit slot offsets in the kernels (`WIDE`); smaller ones 32-bit,
-# at head dims up to NARROW_OFFSETS_MAX_DIM. sm_90 builds (triton 3.6, cuobjdump --dump-resource-usage) of the rows'
-# kernel at 4 warps: head dim 128 (64 slots a block) 168 registers and no spill with 32-bit offsets, 254-255 and up to
-# 360 bytes of spill with 64-bit ones; head dim 256 (32 slots a block) 255 and 88 bytes of spill with 32-bit, 254 and
-# none with 64-bit. Not timed yet: `python bench/bench_generation.py --set
-# fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=0` runs the rollouts with 64-bit offsets throughout.
+# Slot offsets in the kernels: 32-bit for caches spanning fewer than WIDE_OFFSETS_FROM elements at head dims up to
+# NARROW_OFFSETS_MAX_DIM, else 64-bit (`WIDE`). sm_90 builds (triton 3.6, `python bench/kernel_resources.py`) of the
+# rows' kernel at 4 warps: head dim 128 (64 slots a block) 168 registers and no spill with 32-bit offsets, 254-255 and
+# up to 360 bytes of spill with 64-bit ones; head dim 256 (32 slots a block) 255 and 88 bytes of spill with 32-bit, 254
+# and none with 64-bit. Off (0) until a rollout times it: `python bench/bench_generation.py --set
+# fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=128` against the same without.
 WIDE_OFFSETS_FROM = 2**31
-NARROW_OFFSETS_MAX_DIM = 128
+NARROW_OFFSETS_MAX_DIM = 0
 
 
 @triton.jit
@@ -112,8 +112,8 @@ def _decode_partial_kernel(
 ):  # fmt: skip
     # OWN_ONLY: the prompt kernel took slots [0, prompt_len); this one walks the rest. Partials go to splits
     # [PART_BASE, PART_BASE + SPLITS) of PART_SPLITS.
-    # WIDE: a block's slot offsets in 64 bits (a cache of 2^31 elements or more needs them; see WIDE_OFFSETS_FROM for
-    # the registers either takes); else 32-bit offsets from the head's (or, SHARED, the cache's) start.
+    # WIDE: a block's slot offsets in 64 bits (a cache of 2^31 elements or more needs them; see NARROW_OFFSETS_MAX_DIM
+    # for the registers either takes); else 32-bit offsets from the head's (or, SHARED, the cache's) start.
     # NATIVE: the dots take the half-precision inputs as they are (CUDA); else every value is fp32 and the dots run
     # in full fp32 (fp32 models, and the interpreter, whose half-precision arithmetic is wrong).
     i = tl.program_id(0)
