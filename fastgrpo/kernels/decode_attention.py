@@ -55,9 +55,9 @@ _PROMPT_DOT_ROWS = 64  # rows x heads a prompt program holds at most (its querie
 GROUPED_PROMPT_MIN_BYTES = 8192
 # Slot offsets in the kernels: 32-bit for caches spanning fewer than WIDE_OFFSETS_FROM elements at head dims up to
 # NARROW_OFFSETS_MAX_DIM, else 64-bit (`WIDE`). sm_90 builds (triton 3.6, `python bench/kernel_resources.py`) of the
-# rows' kernel at 4 warps: head dim 128 (64 slots a block) 168 registers and no spill with 32-bit offsets, 254-255 and
-# up to 360 bytes of spill with 64-bit ones; head dim 256 (32 slots a block) 255 and 88 bytes of spill with 32-bit, 254
-# and none with 64-bit. Off (0) until a rollout times it: `python bench/bench_generation.py --set
+# rows' kernel at 4 warps: head dims 96-128 (64 slots a block) 168-204 registers and no spill with 32-bit offsets,
+# 255 and 16-264 bytes of spill with 64-bit ones; head dim 256 (32 slots a block) 255 and 88 bytes of spill with 32-bit,
+# 254 and none with 64-bit. Off (0) until a rollout times it: `python bench/bench_generation.py --set
 # fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=128` against the same without.
 WIDE_OFFSETS_FROM = 2**31
 NARROW_OFFSETS_MAX_DIM = 0
