@@ -300,23 +300,29 @@ def patched(*settings):
             setattr(obj, name, value)
 
 
-def apply_settings(settings: list[str]) -> dict:
-    """Each "module.attribute=literal" of `settings` set for the rest of the process (an A/B of a setting across the
-    processes of one call); returns {"module.attribute": value} for the rows."""
+def parse_setting(setting: str, flag: str = "--set"):
+    """(module, attribute, value, "module.attribute") of a "module.attribute=literal" setting (the A/B flags' form),
+    refused with a message naming `flag` where it does not parse or name an existing attribute."""
     import ast
     import importlib
 
+    target, sep, literal = setting.partition("=")
+    module_name, _, attribute = target.rpartition(".")
+    if not sep or not module_name:
+        raise SystemExit(f"{flag} {setting!r}: write MODULE.ATTRIBUTE=VALUE, e.g. "
+                         "fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attribute):
+        raise SystemExit(f"{flag} {setting!r}: {module_name} has no attribute {attribute!r}")
+    return module, attribute, ast.literal_eval(literal), target
+
+
+def apply_settings(settings: list[str]) -> dict:
+    """Each "module.attribute=literal" of `settings` set for the rest of the process (an A/B of a setting across the
+    processes of one call); returns {"module.attribute": value} for the rows."""
     applied = {}
     for setting in settings:
-        target, sep, literal = setting.partition("=")
-        module_name, _, attribute = target.rpartition(".")
-        if not sep or not module_name:
-            raise SystemExit(f"--set {setting!r}: write MODULE.ATTRIBUTE=VALUE, e.g. "
-                             "fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64")
-        module = importlib.import_module(module_name)
-        if not hasattr(module, attribute):
-            raise SystemExit(f"--set {setting!r}: {module_name} has no attribute {attribute!r}")
-        value = ast.literal_eval(literal)
+        module, attribute, value, target = parse_setting(setting)
         setattr(module, attribute, value)
         applied[target] = value
     return applied

@@ -252,13 +252,8 @@ def ab_blocks(step, args, model, repeat: int, setting: str) -> str:
     """A/B in one process: `repeat` steps with `setting` ("module.attr=literal") applied, then `repeat` as it
     was, twice over (one settling step before each block). The host and GPU stay the same, so the difference
     is the change's, without the spread between lent machines (the same step took 749-783 ms on four of them)."""
-    import ast
-    import importlib
-
-    target, value = setting.split("=", 1)
-    module_name, attr = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
-    original, changed = getattr(module, attr), ast.literal_eval(value)
+    module, attr, changed, target = harness.parse_setting(setting, "--ab")
+    original = getattr(module, attr)
     lines = []
     for label, current in (("changed", changed), ("as is", original)) * 2:
         with harness.patched((module, attr, current)):

@@ -35,23 +35,18 @@ json.dump(launches, open(sys.argv[1], "w"))
 """
 
 _BUILD = r"""
-import importlib, json, os, re, subprocess, sys, tempfile
+import json, os, re, subprocess, sys, tempfile
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
+from tests.test_triton_compiles_for_cuda import launch_source
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 seen = set()
 for launch in json.load(open(sys.argv[1])):
     if sys.argv[2:] and launch["name"] not in sys.argv[2:]:
         continue
-    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
-    signature, constexprs = {}, {}
-    for name, (kind, value) in launch["args"].items():
-        if kind == "type":
-            signature[name] = value
-        else:
-            signature[name], constexprs[name] = "constexpr", tl.dtype(value) if kind == "tl_dtype" else value
+    source, constexprs = launch_source(launch)
     key = json.dumps([launch["module"], launch["name"], constexprs, launch["options"]], sort_keys=True, default=str)
     if key in seen:
         continue
@@ -60,7 +55,6 @@ for launch in json.load(open(sys.argv[1])):
                constexprs={k: str(v) if isinstance(v, tl.dtype) else v for k, v in constexprs.items()},
                triton=triton.__version__)
     try:
-        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(built.asm["cubin"])

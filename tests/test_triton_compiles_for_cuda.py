@@ -21,8 +21,10 @@ import os
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
@@ -43,9 +45,8 @@ _TENSOR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
                  torch.int32: "*i32", torch.bool: "*i1", torch.uint8: "*u8"}
 
 _COMPILER = r"""
-import importlib, json, sys
-import triton
-import triton.language as tl
+import json, sys
+from tests.test_triton_compiles_for_cuda import launch_source
 from triton._C.libtriton import ir, nvidia, passes
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
@@ -54,14 +55,7 @@ SHARED_MEMORY_PER_BLOCK = 232448  # sm_90: 227 KB of dynamic shared memory per b
 target = GPUTarget("cuda", 90, 32)
 failures, largest = [], 0
 for launch in json.load(sys.stdin):
-    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
-    signature, constexprs = {}, {}
-    for name, (kind, value) in launch["args"].items():
-        if kind == "type":
-            signature[name] = value
-        else:
-            signature[name], constexprs[name] = "constexpr", tl.dtype(value) if kind == "tl_dtype" else value
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    source, _ = launch_source(launch)
     try:
         # triton.compile's pipeline up to Triton GPU IR: the front end and the layout passes (where such
         # errors arise), without LLVM and ptxas, which would take minutes for all launches on 2 cores.
@@ -93,6 +87,19 @@ for launch in json.load(sys.stdin):
         failures.append(f"{launch['name']} {launch['args']}: {type(error).__name__}: {str(error)[:600]}")
 print(json.dumps({"failures": failures, "largest_shared": largest}))
 """
+
+
+def launch_source(launch: dict):
+    """(triton.compiler.ASTSource, constexprs) of a launch `_record_launches` recorded, made with the Triton of the
+    process that builds it (this module's compile step, and bench/kernel_resources.py's)."""
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+    signature, constexprs = {}, {}
+    for name, (kind, value) in launch["args"].items():
+        if kind == "type":
+            signature[name] = value
+        else:
+            signature[name], constexprs[name] = "constexpr", tl.dtype(value) if kind == "tl_dtype" else value
+    return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs), constexprs
 
 
 def _scalar_type(value) -> str:
@@ -363,7 +370,7 @@ def _run_ops_at_model_dims():
 def _compile_for_sm90(launches: list[dict]) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches), capture_output=True,
-                          text=True, env=env, timeout=600)
+                          text=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not result["failures"], "\n".join(result["failures"])
