@@ -80,7 +80,7 @@ def parse_args(argv=None):
                    help="0: every row keeps its prompt slots in the KV cache (engine.COMPACT_CACHE off)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="a module setting for this process, recorded in the rows (repeatable), e.g. "
-                   "fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=128")
+                   "fastgrpo.kernels.decode_attention.NARROW_OFFSETS_MAX_DIM=0")
     args = p.parse_args(argv)
     if args.tiny:
         args.cases, args.prompt_len, args.repeats = "4x8,spread", 8, 1

@@ -16,8 +16,8 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py                   # GPU: qwen2.5-1.5b, rows 8 16 64
     python bench/bench_nf4_linear.py --rows 8 --rank 64
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
-                                                       # row count (columns a tile, warps, stages, programs per SM,
-                                                       # the tile's orientation)
+                                                       # row count (columns a tile, warps, programs per SM, the
+                                                       # weight's even/odd columns in two products or joined)
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
@@ -94,24 +94,23 @@ def l2_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
-# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills), x stages x programs per SM.
-# Then the tile held as out^T (`_SWAP_AB`: W's tile the MMA's first operand) and the loads left to Triton's software
-# pipeline (`_PREFETCH` off), each and both. (Stages 1 and 3 timed alike with the kernel's own prefetch.)
-SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, swap=swap, prefetch=prefetch)
-         for swap, prefetch in ((False, True), (True, True), (False, False), (True, False))
+# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, with the
+# weight's even and odd columns in two products (`_EVEN_ODD`) or joined into one.
+SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, even_odd=even_odd)
+         for even_odd in (True, False)
          for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
-         for ps in ((2, 4, 8, 16) if prefetch and not swap else (2, 4))]
+         for ps in (2, 4, 8)]
 
 
 def sweep_settings(config: dict):
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
-            (nf4_module, "_SWAP_AB", config["swap"]), (nf4_module, "_PREFETCH", config["prefetch"])]
+            (nf4_module, "_EVEN_ODD", config["even_odd"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + (" swap" if config["swap"] else "") + ("" if config["prefetch"] else " pipelined"))
+            + ("" if config["even_odd"] else " joined"))
 
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:

@@ -238,4 +238,5 @@ for f in bench/results/*.jsonl; do
   before=${ROWS_BEFORE[$f]:-0}
   [ "$(wc -l < "$f")" -gt "$before" ] && tail -n +$((before + 1)) "$f" > "$OUT/results/$(basename "$f")"
 done
-[ -f bench/results/grpo_step.jsonl ] && python3 bench/grpo_step.py --merge
+STEP_ROWS=${FASTGRPO_BENCH_RESULTS:-bench/results}/grpo_step.jsonl  # where the benches wrote (harness.results_path)
+[ -f "$STEP_ROWS" ] && python3 bench/grpo_step.py --merge "$STEP_ROWS"

@@ -289,6 +289,8 @@ def main() -> int:
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=1)
     print("RESULT " + json.dumps(result))
+    if not args.tiny:
+        harness.record("grpo_qlora_step", [result])
     print(table(result))
     return 0
 

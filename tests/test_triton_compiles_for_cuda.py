@@ -230,19 +230,19 @@ def _run_every_op():
         k_new, v_new = (torch.randn(batch, kv_heads, head_dim, dtype=dtype) for _ in range(2))
         k_cache, v_cache = (torch.zeros(batch + 1, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
         start = torch.zeros(batch + 1, dtype=torch.int64)
-        decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
-                         scale=head_dim ** -0.5, **options)
         decode_module = importlib.import_module("fastgrpo.kernels.decode_attention")
-        decode_module.NARROW_OFFSETS_MAX_DIM = 256  # and with 32-bit slot offsets
-        try:
-            decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start, torch.tensor(slots // 2),
-                             scale=head_dim ** -0.5, **options)
-        finally:
-            decode_module.NARROW_OFFSETS_MAX_DIM = 0
+        default = decode_module.NARROW_OFFSETS_MAX_DIM
+        for narrow in (0, 256):  # with 64-bit slot offsets, then 32-bit ones
+            decode_module.NARROW_OFFSETS_MAX_DIM = narrow
+            try:
+                decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start,
+                                 torch.tensor(slots // 2), scale=head_dim ** -0.5, **options)
+            finally:
+                decode_module.NARROW_OFFSETS_MAX_DIM = default
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; both tile
-    # orientations, and the loads left to the software pipeline.
+    # orientations, the loads left to the software pipeline, the weight's columns joined.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
@@ -257,13 +257,15 @@ def _run_every_op():
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        for swap, prefetch in ((False, True), (True, True), (False, False)):  # the tile as out or out^T; the loads
-            nf4_module._SWAP_AB, nf4_module._PREFETCH = swap, prefetch  # prefetched or pipelined
+        # the tile as out or out^T; the loads prefetched or pipelined; even/odd columns in two products or joined
+        for swap, prefetch, even_odd in ((False, True, True), (False, True, False), (True, True, False),
+                                         (False, False, True)):
+            nf4_module._SWAP_AB, nf4_module._PREFETCH, nf4_module._EVEN_ODD = swap, prefetch, even_odd
             try:
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
             finally:
-                nf4_module._SWAP_AB, nf4_module._PREFETCH = False, True
+                nf4_module._SWAP_AB, nf4_module._PREFETCH, nf4_module._EVEN_ODD = False, True, True
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.

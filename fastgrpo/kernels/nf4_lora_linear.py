@@ -22,9 +22,11 @@ W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / 
 
 Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns, so
 a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks both nibbles of the
-step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1), scales
-them, sets the even and odd columns side by side (`tl.join`) and multiplies x's [BM, BK] tile by the [BN, BK] result
-in one `tl.dot` (M padded to 16: tensor cores at every M; the weight cast to x's dtype as bitsandbytes casts it). A
+step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1) and scales
+them, the weight cast to x's dtype as bitsandbytes casts it. The even columns' [BN, BK/2] values and the odd ones'
+then multiply x's even and odd columns in two `tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the
+values staying in the layout the bytes were loaded in; or they are set side by side (`tl.join`) and multiply x's
+[BM, BK] tile in one. A
 step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the gathers and the dots
 never wait on memory (`_PREFETCH`; else Triton's software pipeline stages them). Its share of x @ A^T (A's columns
 of its K range) rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its
@@ -58,6 +60,12 @@ _SWAP_AB = False
 # Loads carried in registers a step or two ahead (the kernel's own prefetch) rather than left to Triton's software
 # pipeline: the same sweep's other lever, on until measured.
 _PREFETCH = True
+# The weight's even and odd columns in two products, each in the layout its bytes were loaded in, the table lookups
+# elementwise (inline PTX on CUDA); else joined into one tile. sm_90 builds (triton 3.6) of a 1.5B gate/up call at
+# 8 rows: 236 instructions a step of the K loop with 2 barriers, against 429 with 8 (the joined tile's lookups get a
+# layout of their own, and every element goes to shared memory in a 2-byte store). Timed: `python
+# bench/bench_nf4_linear.py --rows 8 64 --sweep`.
+_EVEN_ODD = True
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -83,6 +91,16 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
 
 
 @triton.jit
+def _lookup(table_ptr, index):
+    """table_ptr[index] (fp32; a 16-entry table that stays in L1) as an elementwise op: the result keeps the index's
+    register layout, where `tl.load` of computed addresses gets a layout of its own (and a shuffle through shared
+    memory back), and one wide multiply-add makes each address. CUDA only (inline PTX)."""
+    base = (table_ptr + tl.zeros_like(index)).to(tl.uint64, bitcast=True)
+    return tl.inline_asm_elementwise("{ .reg .u64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }",
+                                     "=r,r,l", [index, base], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _nf4_lora_linear_kernel(
     x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
     out_ptr, part_ptr, count_ptr,
@@ -91,7 +109,7 @@ def _nf4_lora_linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN_ODD: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -163,25 +181,49 @@ def _nf4_lora_linear_kernel(
             scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
             scale = stat.to(tl.float32)
-        w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
-        w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
-        w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
-        if NATIVE:
-            w = w.to(x_ptr.dtype.element_ty)
-            if LORA:
-                a = a.to(x_ptr.dtype.element_ty)
+        if EVEN_ODD and NATIVE:
+            w_even = _lookup(code_ptr, (packed >> 4).to(tl.int32)) * scale[:, None]
+            w_odd = _lookup(code_ptr, (packed & 0xF).to(tl.int32)) * scale[:, None]
         else:
-            x = x.to(tl.float32)
+            w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
+            w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
+        if EVEN_ODD:
+            if NATIVE:
+                w_even = w_even.to(x_ptr.dtype.element_ty)
+                w_odd = w_odd.to(x_ptr.dtype.element_ty)
+                if LORA:
+                    a = a.to(x_ptr.dtype.element_ty)
+            else:
+                x = x.to(tl.float32)
+                if LORA:
+                    a = a.to(tl.float32)
+            x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
+            # x @ A^T's dots first: Triton (3.6) gives the loop's dots one MMA layout, and with these last it was
+            # theirs ([BM, r]: at 16 rows each of the 4 warps did the whole tile, 24 MMAs a step against 8)
             if LORA:
-                a = a.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-            if LORA:
-                xa = tl.dot(a, tl.trans(x), xa, input_precision=PRECISION)
+                a_even, a_odd = tl.split(tl.reshape(a, (R_PAD, BK // 2, 2)))
+                xa = tl.dot(x_even, tl.trans(a_even), xa, input_precision=PRECISION)
+                xa = tl.dot(x_odd, tl.trans(a_odd), xa, input_precision=PRECISION)
+            acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if LORA:
-                xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
+            w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
+            if NATIVE:
+                w = w.to(x_ptr.dtype.element_ty)
+                if LORA:
+                    a = a.to(x_ptr.dtype.element_ty)
+            else:
+                x = x.to(tl.float32)
+                if LORA:
+                    a = a.to(tl.float32)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+                if LORA:
+                    xa = tl.dot(a, tl.trans(x), xa, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if LORA:
+                    xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
     if LORA:
         b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         xa = xa * scaling
@@ -254,7 +296,7 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
     return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, SWAP=_SWAP_AB,
-                PREFETCH=_PREFETCH)
+                PREFETCH=_PREFETCH, EVEN_ODD=_EVEN_ODD)
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -303,7 +345,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
         NATIVE=native, PRECISION=None if native else "ieee", SWAP=config["SWAP"], PREFETCH=config["PREFETCH"],
-        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        EVEN_ODD=config["EVEN_ODD"] and not config["SWAP"], REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
