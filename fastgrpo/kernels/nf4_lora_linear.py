@@ -94,7 +94,7 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
 def _lookup(table_ptr, index):
     """table_ptr[index] (fp32; a 16-entry table that stays in L1) as an elementwise op: the result keeps the index's
     register layout, where `tl.load` of computed addresses gets a layout of its own (and a shuffle through shared
-    memory back), and one wide multiply-add makes each address. CUDA only (inline PTX)."""
+    memory back). CUDA only (inline PTX)."""
     base = (table_ptr + tl.zeros_like(index)).to(tl.uint64, bitcast=True)
     return tl.inline_asm_elementwise("{ .reg .u64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }",
                                      "=r,r,l", [index, base], dtype=tl.float32, is_pure=True, pack=1)
