@@ -18,6 +18,7 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
                                                        # row count (columns a tile, warps, programs per SM, the
                                                        # weight's even/odd columns in two products or joined)
+    python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is, even/odd products and joined
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
@@ -115,7 +116,10 @@ def _name(config: dict) -> str:
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
     """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first; one row for the results."""
-    now, timings = harness.time_launch_configs(ours, SWEEP, sweep_settings, rep=20)
+    configs = SWEEP if args.sweep == "all" else [
+        dict(block_n=nf4_module._BLOCK_N, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES,
+             per_sm=nf4_module._PROGRAMS_PER_SM, even_odd=even_odd) for even_odd in (True, False)]
+    now, timings = harness.time_launch_configs(ours, configs, sweep_settings, rep=20)
     best_ms, best = timings[0]
     print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "
           + ", ".join(f"{_name(c)}: {t * 1e3 / copies:.1f}" for t, c in timings))
@@ -131,7 +135,9 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--copies", type=int, default=8, help="distinct layers a timed call rotates through, at least")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny projections, two copies, no rows kept")
-    p.add_argument("--sweep", action="store_true", help="time the kernel's launch settings (GPU)")
+    p.add_argument("--sweep", nargs="?", const="all", choices=["all", "forms"],
+                   help="time the kernel's launch settings (GPU): all of SWEEP, or the launch as it is with the "
+                   "weight's columns in two products and joined (forms)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
