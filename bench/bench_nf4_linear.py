@@ -104,9 +104,10 @@ SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, even_odd=even_odd)
 
 
 def sweep_settings(config: dict):
-    return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_NUM_WARPS", config["warps"]),
-            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
-            (nf4_module, "_EVEN_ODD", config["even_odd"])]
+    return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_FEW_ROWS_BLOCK_N", config["block_n"]),
+            (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
+            (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
+            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_EVEN_ODD", config["even_odd"])]
 
 
 def _name(config: dict) -> str:
@@ -116,9 +117,10 @@ def _name(config: dict) -> str:
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
     """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first; one row for the results."""
+    block_n, per_sm = nf4_module.tile_settings(m)
     configs = SWEEP if args.sweep == "all" else [
-        dict(block_n=nf4_module._BLOCK_N, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES,
-             per_sm=nf4_module._PROGRAMS_PER_SM, even_odd=even_odd) for even_odd in (True, False)]
+        dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
+             even_odd=even_odd) for even_odd in (True, False)]
     now, timings = harness.time_launch_configs(ours, configs, sweep_settings, rep=20)
     best_ms, best = timings[0]
     print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "

@@ -1,9 +1,9 @@
 """Registers and spills of every Triton kernel launch the ops make, built for sm_90 through a Triton's whole pipeline
 (ptxas included) on a machine without a GPU: how many programs an SM holds, and which kernels spill.
 
-    python bench/kernel_resources.py                          # with the installed Triton
-    pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    python bench/kernel_resources.py --triton /tmp/triton36   # with the GPU machines' Triton (its numbers hold there)
+    python bench/kernel_resources.py                          # with the GPU machines' Triton (3.6), which .ci/setup
+                                                              # installs in .venv/triton-device: its numbers hold there
+    python bench/kernel_resources.py --triton DIR             # with the Triton in DIR (pip install --target DIR)
     python bench/kernel_resources.py --only _decode_partial_kernel _nf4_lora_linear_kernel
 
 The launches are those tests/test_triton_compiles_for_cuda.py records (the ops run once through Triton's interpreter
@@ -91,9 +91,14 @@ def _short(constexprs: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--triton", help="a directory holding the Triton to build with (pip install --target DIR)")
+    p.add_argument("--triton", default=str(REPO / ".venv" / "triton-device"),
+                   help="a directory holding the Triton to build with (pip install --target DIR; default: the GPU "
+                   "machines' Triton, as .ci/setup installs it)")
     p.add_argument("--only", nargs="+", default=[], metavar="KERNEL", help="only these kernels (function names)")
     args = p.parse_args(argv)
+    if not (Path(args.triton) / "triton").is_dir():
+        sys.exit(f"no Triton in {args.triton}: run .ci/setup, or pip install --no-deps --target DIR triton==3.6.0 "
+                 "and pass --triton DIR")
     with tempfile.TemporaryDirectory() as tmp:
         launches = os.path.join(tmp, "launches.json")
         record(launches)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -73,7 +74,10 @@ for launch in json.load(sys.stdin):
         # The start of make_llir, up to shared-memory allocation (PTX 8.6: CUDA 12.6, any recent ptxas).
         manager = ir.pass_manager(module.context)
         passes.ttgpuir.add_combine_tensor_select_and_if(manager)
-        passes.ttgpuir.add_allocate_warp_groups(manager, False)
+        try:
+            passes.ttgpuir.add_allocate_warp_groups(manager, False)  # triton 3.9: (manager, consan)
+        except TypeError:
+            passes.ttgpuir.add_allocate_warp_groups(manager)  # triton 3.6
         passes.convert.add_scf_to_cf(manager)
         passes.gluon.add_inliner(manager)
         nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(manager, 90, 86)
@@ -241,8 +245,8 @@ def _run_every_op():
                 decode_module.NARROW_OFFSETS_MAX_DIM = default
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
-    # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; both tile
-    # orientations, the loads left to the software pipeline, the weight's columns joined.
+    # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; the weight's
+    # columns joined or in even/odd products.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
@@ -257,15 +261,14 @@ def _run_every_op():
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        # the tile as out or out^T; the loads prefetched or pipelined; even/odd columns in two products or joined
-        for swap, prefetch, even_odd in ((False, True, True), (False, True, False), (True, True, False),
-                                         (False, False, True)):
-            nf4_module._SWAP_AB, nf4_module._PREFETCH, nf4_module._EVEN_ODD = swap, prefetch, even_odd
+        default = nf4_module._EVEN_ODD
+        for even_odd in (False, True):  # the weight's columns joined, or in even/odd products
+            nf4_module._EVEN_ODD = even_odd
             try:
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
             finally:
-                nf4_module._SWAP_AB, nf4_module._PREFETCH, nf4_module._EVEN_ODD = False, True, True
+                nf4_module._EVEN_ODD = default
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.
@@ -369,8 +372,17 @@ def _run_ops_at_model_dims():
         (logp.sum() + entropy.sum()).backward()
 
 
-def _compile_for_sm90(launches: list[dict]) -> dict:
+# The GPU machines' Triton (3.6), installed by .ci/setup beside the lock's: each launch is built with both.
+DEVICE_TRITON = Path(__file__).resolve().parents[1] / ".venv" / "triton-device"
+TRITONS = [pytest.param(None, id="lock"), pytest.param(DEVICE_TRITON, id="device")]
+
+
+def _compile_for_sm90(launches: list[dict], triton_dir: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_dir is not None:
+        if not (triton_dir / "triton").is_dir():
+            pytest.skip(f"no Triton at {triton_dir}: run .ci/setup")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(triton_dir), env.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches), capture_output=True,
                           text=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -379,14 +391,16 @@ def _compile_for_sm90(launches: list[dict]) -> dict:
     return result
 
 
-def test_kernels_compile_for_sm90_at_dimensions_they_were_not_tuned_on():
+@pytest.mark.parametrize("triton_dir", TRITONS)
+def test_kernels_compile_for_sm90_at_dimensions_they_were_not_tuned_on(triton_dir):
     launches = _record_launches(_run_ops_at_model_dims)
-    result = _compile_for_sm90(launches)
+    result = _compile_for_sm90(launches, triton_dir)
     print(f"{len(launches)} launches at {len(UNSEEN_DIMS)} models' dimensions compiled for sm_90, "
           f"largest shared memory {result['largest_shared']} bytes")
 
 
-def test_every_kernel_compiles_for_sm90():
+@pytest.mark.parametrize("triton_dir", TRITONS)
+def test_every_kernel_compiles_for_sm90(triton_dir):
     launches = _record_launches(_run_every_op)
     names = {r["name"] for r in launches}
     # Every kernel the package defines was launched (helpers that kernels call are compiled with them).
@@ -395,6 +409,6 @@ def test_every_kernel_compiles_for_sm90():
     defined = {name for module in modules for name, value in vars(module).items()
                if isinstance(value, interpreter.InterpretedFunction) and name.endswith("_kernel")}
     assert names == defined, (sorted(defined - names), sorted(names - defined))
-    result = _compile_for_sm90(launches)
+    result = _compile_for_sm90(launches, triton_dir)
     print(f"{len(launches)} launches of {len(names)} kernels compiled for sm_90, "
           f"largest shared memory {result['largest_shared']} bytes")

@@ -28,7 +28,7 @@ then multiply x's even and odd columns in two `tl.dot`s (`_EVEN_ODD`; M padded t
 values staying in the layout the bytes were loaded in; or they are set side by side (`tl.join`) and multiply x's
 [BM, BK] tile in one. A
 step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the gathers and the dots
-never wait on memory (`_PREFETCH`; else Triton's software pipeline stages them). Its share of x @ A^T (A's columns
+never wait on memory. Its share of x @ A^T (A's columns
 of its K range) rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its
 columns. As that product is linear in the K parts, splitting K splits the LoRA term with it: no program reads A in
 full unless K is not split. When K is split, every program stores its fp32 partial and counts itself in a per-tile
@@ -49,23 +49,22 @@ import triton.language as tl
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
 
 MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
-# Launch settings of CUDA calls, `python bench/bench_nf4_linear.py --rows 64 --sweep` (one H100, Qwen2.5-1.5B's
-# projections, 32 settings): 32 columns a tile and 4 programs an SM are the fastest or within 3 % of it at every
-# projection but gate/up (34.3 us against 32.0), 133 us a layer against 152 for 64 columns and 2 an SM.
+# Columns a tile and programs an SM of CUDA calls. From 17 rows, `python bench/bench_nf4_linear.py --rows 64 --sweep`
+# (one H100, Qwen2.5-1.5B's projections, 32 settings): 32 columns and 4 programs are the fastest or within 3 % of it
+# at every projection but gate/up (34.3 us against 32.0), 133 us a layer against 152 for 64 columns and 2 an SM.
+# Up to 16 rows (a group of 8 decoding), 64 and 2: the QLoRA whole step's rollout (8 rows) took 3.44-3.49 s with them
+# against 3.61-3.64 s with 32 and 4 (one H100, `QLORA_AB=... bash bench/device_session.sh qlora_ab`).
 _PROGRAMS_PER_SM = 4
 _BLOCK_N = 32
-# The tile held as out^T (W's dequantized tile the dots' first operand, x^T the second) rather than out: the A/B lever
-# of `python bench/bench_nf4_linear.py --rows 64 --sweep`; not measured yet, so off.
-_SWAP_AB = False
-# Loads carried in registers a step or two ahead (the kernel's own prefetch) rather than left to Triton's software
-# pipeline: the same sweep's other lever, on until measured.
-_PREFETCH = True
+_FEW_ROWS = 16
+_FEW_ROWS_PROGRAMS_PER_SM = 2
+_FEW_ROWS_BLOCK_N = 64
 # The weight's even and odd columns in two products, each in the layout its bytes were loaded in, the table lookups
 # elementwise (inline PTX on CUDA); else joined into one tile. sm_90 builds (triton 3.6) of a 1.5B gate/up call at
 # 8 rows: 236 instructions a step of the K loop with 2 barriers, against 429 with 8 (the joined tile's lookups get a
 # layout of their own, and every element goes to shared memory in a 2-byte store). Timed: `python
 # bench/bench_nf4_linear.py --rows 8 64 --sweep`.
-_EVEN_ODD = True
+_EVEN_ODD = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -108,20 +107,16 @@ def _nf4_lora_linear_kernel(
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
-    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN_ODD: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, EVEN_ODD: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
-    # PREFETCH: a step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step
-    # ahead, carried in registers, so that the table lookups (gathers whose addresses are those bytes) and the dots
-    # never wait on HBM or L2; it costs registers (sm_90, triton 3.6, 32 columns, 64 rows: 210 against 136 with the
-    # loads left to the software pipeline).
+    # A step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step ahead,
+    # carried in registers, so that the table lookups (gathers whose addresses are those bytes) and the dots never
+    # wait on HBM or L2 (left to Triton's software pipeline instead, the sweep's calls took 1.5-6x as long).
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
-    # SWAP: the program holds out^T's [BN, BM] tile, W's dequantized tile the dots' first operand (which Hopper's MMA
-    # may take from registers) and x^T the second; else out's [BM, BN], x first. The same products and sums.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -138,45 +133,31 @@ def _nf4_lora_linear_kernel(
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
         offset = tl.load(offset_ptr).to(tl.float32)
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
         r_ok = rr < RANK
         a_rows = a_ptr + rr[:, None] * sar
-        if SWAP:
-            xa = tl.zeros((R_PAD, BM), dtype=tl.float32)
-        else:
-            xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
-    if PREFETCH:
-        p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
-                                 NESTED_BLOCKSIZE, NESTED)
-        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
-                                 NESTED_BLOCKSIZE, NESTED)
-        x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-        if LORA:
-            a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
+        xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
+    p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
+                             NESTED_BLOCKSIZE, NESTED)
+    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
+    if LORA:
+        a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
     for k in range(k_lo, k_hi, BK):
-        if PREFETCH:
-            packed, stat, nested = p1, s1, t1
-            x = x1
-            x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+        packed, stat, nested = p1, s1, t1
+        x = x1
+        x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
+                     other=0.0)
+        if LORA:
+            a = a1
+            a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak, mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :],
                          other=0.0)
-            if LORA:
-                a = a1
-                a1 = tl.load(a_rows + (k + BK + kk)[None, :] * sak,
-                             mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :], other=0.0)
-            p1, s1, t1 = p2, s2, t2
-            p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
-                                     BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
-        else:  # the loads where they are used: Triton's software pipeline (num_stages) stages them
-            packed, stat, nested = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi,
-                                               BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
-            x = tl.load(x_rows + (k + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
-            if LORA:
-                a = tl.load(a_rows + (k + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
+        p1, s1, t1 = p2, s2, t2
+        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
+                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
         if NESTED:
             scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
@@ -187,16 +168,17 @@ def _nf4_lora_linear_kernel(
         else:
             w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
             w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
+        if NATIVE:
+            if LORA:
+                a = a.to(x_ptr.dtype.element_ty)
+        else:
+            x = x.to(tl.float32)
+            if LORA:
+                a = a.to(tl.float32)
         if EVEN_ODD:
             if NATIVE:
                 w_even = w_even.to(x_ptr.dtype.element_ty)
                 w_odd = w_odd.to(x_ptr.dtype.element_ty)
-                if LORA:
-                    a = a.to(x_ptr.dtype.element_ty)
-            else:
-                x = x.to(tl.float32)
-                if LORA:
-                    a = a.to(tl.float32)
             x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
             # x @ A^T's dots first: Triton (3.6) gives the loop's dots one MMA layout, and with these last it was
             # theirs ([BM, r]: at 16 rows each of the 4 warps did the whole tile, 24 MMAs a step against 8)
@@ -208,22 +190,11 @@ def _nf4_lora_linear_kernel(
             acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
         else:
             w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
-            if NATIVE:
+            if NATIVE:  # (joined in fp32: joined in bf16, triton 3.6 fails to build the 64-row tile for sm_90)
                 w = w.to(x_ptr.dtype.element_ty)
-                if LORA:
-                    a = a.to(x_ptr.dtype.element_ty)
-            else:
-                x = x.to(tl.float32)
-                if LORA:
-                    a = a.to(tl.float32)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-                if LORA:
-                    xa = tl.dot(a, tl.trans(x), xa, input_precision=PRECISION)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-                if LORA:
-                    xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if LORA:
+                xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
     if LORA:
         b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         xa = xa * scaling
@@ -232,25 +203,13 @@ def _nf4_lora_linear_kernel(
             xa = xa.to(x_ptr.dtype.element_ty)
         else:
             b = b.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(b, xa, acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(xa, tl.trans(b), acc, input_precision=PRECISION)
-    if SWAP:  # out^T's tile: element (n, m)
-        mask = n_ok[:, None] & m_ok[None, :]
-        out_offsets = rm.to(tl.int64)[None, :] * som + rn[:, None]
-        part_offsets = rm.to(tl.int64)[None, :] * N + rn[:, None]
-    else:
-        mask = m_ok[:, None] & n_ok[None, :]
-        out_offsets = rm.to(tl.int64)[:, None] * som + rn[None, :]
-        part_offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        acc = tl.dot(xa, tl.trans(b), acc, input_precision=PRECISION)
+    mask = m_ok[:, None] & n_ok[None, :]
+    out_offsets = rm.to(tl.int64)[:, None] * som + rn[None, :]
+    part_offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if SPLITS == 1:
         if BIAS:
-            bias_n = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            if SWAP:
-                acc += bias_n[:, None]
-            else:
-                acc += bias_n[None, :]
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -280,23 +239,30 @@ def _nf4_lora_linear_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
+def tile_settings(m: int) -> tuple[int, int]:
+    """(output columns a tile, programs an SM) of a call of m rows."""
+    if m <= _FEW_ROWS:
+        return _FEW_ROWS_BLOCK_N, _FEW_ROWS_PROGRAMS_PER_SM
+    return _BLOCK_N, _PROGRAMS_PER_SM
+
+
 def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     """Tiles and K splits of one call, from static shapes only. Every row in one tile up to 64 rows (the weight
-    is read once), _BLOCK_N (32) output columns a tile, steps of min(blocksize, 128) columns of K.
-    Rule: splits = min(ceil(4 * SMs / tiles), K / (2 * BK), 32), so that tiles x splits is ~4 programs per SM and
-    each split walks at least two steps (1.5B shapes on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12,
-    8960x1536 -> 2, 1536x8960 -> 11)."""
+    is read once), output columns a tile and programs an SM by the row count (`tile_settings`), steps of
+    min(blocksize, 128) columns of K.
+    Rule: splits = min(ceil(programs an SM * SMs / tiles), K / (2 * BK), 32), so that each split walks at least
+    two steps (1.5B shapes at 64 rows on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12, 8960x1536 -> 2,
+    1536x8960 -> 11)."""
     bm = min(64, max(16, next_power_of_2(m)))
-    bn = _BLOCK_N
+    bn, per_sm = tile_settings(m)
     bk = min(blocksize, 128)
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    want = cdiv(_PROGRAMS_PER_SM * multiprocessor_count(device), tiles)
+    want = cdiv(per_sm * multiprocessor_count(device), tiles)
     splits = max(1, min(want, k // (2 * bk), _MAX_SPLITS))
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, SWAP=_SWAP_AB,
-                PREFETCH=_PREFETCH, EVEN_ODD=_EVEN_ODD)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, EVEN_ODD=_EVEN_ODD)
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -344,8 +310,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=native, PRECISION=None if native else "ieee", SWAP=config["SWAP"], PREFETCH=config["PREFETCH"],
-        EVEN_ODD=config["EVEN_ODD"] and not config["SWAP"], REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        NATIVE=native, PRECISION=None if native else "ieee", EVEN_ODD=config["EVEN_ODD"],
+        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
