@@ -60,10 +60,11 @@ _FEW_ROWS = 16
 _FEW_ROWS_PROGRAMS_PER_SM = 2
 _FEW_ROWS_BLOCK_N = 64
 # The weight's even and odd columns in two products, each in the layout its bytes were loaded in, the table lookups
-# elementwise (inline PTX on CUDA); else joined into one tile. sm_90 builds (triton 3.6) of a 1.5B gate/up call at
-# 8 rows: 236 instructions a step of the K loop with 2 barriers, against 429 with 8 (the joined tile's lookups get a
-# layout of their own, and every element goes to shared memory in a 2-byte store). Timed: `python
-# bench/bench_nf4_linear.py --rows 8 64 --sweep`.
+# elementwise (inline PTX on CUDA); else joined into one tile, whose lookups get a layout of their own and whose
+# elements go to shared memory in 2-byte stores. sm_90 builds (triton 3.6, 1.5B gate/up) of a K step: 8 rows (64
+# columns) 390 instructions against 672, 64 rows (32 columns) 308 against 366. Off until a GPU run checks and times
+# it: `pytest -m gpu tests/test_kernel_nf4_linear.py`, `python bench/bench_nf4_linear.py --rows 8 64 --sweep forms`,
+# and the QLoRA step with `--set fastgrpo.kernels.nf4_lora_linear._EVEN_ODD=True` against the same without.
 _EVEN_ODD = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
