@@ -104,6 +104,7 @@ SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, even_odd=even_odd)
 
 
 def sweep_settings(config: dict):
+    """Both row bands' tile settings take the config's (`tile_settings` picks one by the row count)."""
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_FEW_ROWS_BLOCK_N", config["block_n"]),
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),

@@ -22,6 +22,7 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -235,14 +236,10 @@ def _run_every_op():
         k_cache, v_cache = (torch.zeros(batch + 1, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
         start = torch.zeros(batch + 1, dtype=torch.int64)
         decode_module = importlib.import_module("fastgrpo.kernels.decode_attention")
-        default = decode_module.NARROW_OFFSETS_MAX_DIM
         for narrow in (0, 256):  # with 64-bit slot offsets, then 32-bit ones
-            decode_module.NARROW_OFFSETS_MAX_DIM = narrow
-            try:
+            with mock.patch.object(decode_module, "NARROW_OFFSETS_MAX_DIM", narrow):
                 decode_attention(q, k_new, v_new, k_cache, v_cache, torch.arange(batch), start,
                                  torch.tensor(slots // 2), scale=head_dim ** -0.5, **options)
-            finally:
-                decode_module.NARROW_OFFSETS_MAX_DIM = default
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; the weight's
@@ -261,14 +258,10 @@ def _run_every_op():
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        default = nf4_module._EVEN_ODD
         for even_odd in (False, True):  # the weight's columns joined, or in even/odd products
-            nf4_module._EVEN_ODD = even_odd
-            try:
+            with mock.patch.object(nf4_module, "_EVEN_ODD", even_odd):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
-            finally:
-                nf4_module._EVEN_ODD = default
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.

@@ -26,16 +26,14 @@ step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte
 them, the weight cast to x's dtype as bitsandbytes casts it. The even columns' [BN, BK/2] values and the odd ones'
 then multiply x's even and odd columns in two `tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the
 values staying in the layout the bytes were loaded in; or they are set side by side (`tl.join`) and multiply x's
-[BM, BK] tile in one. A
-step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the gathers and the dots
-never wait on memory. Its share of x @ A^T (A's columns
-of its K range) rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its
-columns. As that product is linear in the K parts, splitting K splits the LoRA term with it: no program reads A in
-full unless K is not split. When K is split, every program stores its fp32 partial and counts itself in a per-tile
-counter; the last program of a tile sums all the tile's partials (its own read back) in split order, adds the bias,
-writes the output and resets the counter (the counters need no clearing between calls, and a captured call replays
-as is). The sum's order does not depend on which program arrives last: a call's result is deterministic, eager or
-captured.
+[BM, BK] tile in one. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the
+gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same
+x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K
+parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split,
+every program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all
+the tile's partials (its own read back) in split order, adds the bias, writes the output and resets the counter (the
+counters need no clearing between calls, and a captured call replays as is). The sum's order does not depend on which
+program arrives last: a call's result is deterministic, eager or captured.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
