@@ -96,9 +96,11 @@ def l2_bytes() -> int:
 
 
 # (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, with the
-# weight's even and odd columns in two products (`_EVEN_ODD`) or joined into one.
-SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, even_odd=even_odd)
-         for even_odd in (True, False)
+# weight's even and odd columns in two products (`_EVEN_ODD`) or joined into one, a byte's codes in one lookup of
+# the pair table (`_PAIRS`) or one a nibble.
+FORMS = [dict(even_odd=True, pairs=True), dict(even_odd=True, pairs=False), dict(even_odd=False, pairs=False)]
+SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, **form)
+         for form in FORMS
          for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
          for ps in (2, 4, 8)]
 
@@ -108,20 +110,21 @@ def sweep_settings(config: dict):
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_FEW_ROWS_BLOCK_N", config["block_n"]),
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
-            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_EVEN_ODD", config["even_odd"])]
+            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_EVEN_ODD", config["even_odd"]),
+            (nf4_module, "_PAIRS", config["pairs"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + ("" if config["even_odd"] else " joined"))
+            + ("" if config["even_odd"] else " joined") + (" pairs" if config["pairs"] else ""))
 
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
     """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first; one row for the results."""
     block_n, per_sm = nf4_module.tile_settings(m)
     configs = SWEEP if args.sweep == "all" else [
-        dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
-             even_odd=even_odd) for even_odd in (True, False)]
+        dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm, **form)
+        for form in FORMS]
     now, timings = harness.time_launch_configs(ours, configs, sweep_settings, rep=20)
     best_ms, best = timings[0]
     print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "

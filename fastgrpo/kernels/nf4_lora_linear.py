@@ -64,6 +64,11 @@ _FEW_ROWS_BLOCK_N = 64
 # it: `pytest -m gpu tests/test_kernel_nf4_linear.py`, `python bench/bench_nf4_linear.py --rows 8 64 --sweep forms`,
 # and the QLoRA step with `--set fastgrpo.kernels.nf4_lora_linear._EVEN_ODD=True` against the same without.
 _EVEN_ODD = False
+# A byte's two weights in one 8-byte lookup of a 256-entry table of code pairs (`nf4_pair_table`, passed as `pairs`;
+# `quant_state_args` makes it) instead of two 4-byte lookups of the 16 codes: sm_90 builds (as above) of the even/odd
+# form's K step: 312 instructions against 390 at 8 rows, 260 against 308 at 64. Timed by `python
+# bench/bench_nf4_linear.py --rows 8 64 --sweep forms`.
+_PAIRS = True
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -99,14 +104,25 @@ def _lookup(table_ptr, index):
 
 
 @triton.jit
+def _lookup_pair(pairs_ptr, index):
+    """(pairs_ptr[2 index], pairs_ptr[2 index + 1]): a byte's two codes in one 8-byte load of the 2 KB pair table,
+    elementwise as `_lookup` (CUDA only)."""
+    base = (pairs_ptr + tl.zeros_like(index)).to(tl.uint64, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 a; mad.wide.u32 a, $2, 8, $3; ld.global.nc.v2.f32 {$0, $1}, [a]; }", "=r,=r,r,l",
+        [index, base], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _nf4_lora_linear_kernel(
-    x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
+    x_ptr, w_ptr, absmax_ptr, code_ptr, pairs_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
     out_ptr, part_ptr, count_ptr,
     M, N, K, K_PER_SPLIT, RANK, scaling,
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, EVEN_ODD: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -161,7 +177,16 @@ def _nf4_lora_linear_kernel(
             scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
             scale = stat.to(tl.float32)
-        if EVEN_ODD and NATIVE:
+        if PAIRS:
+            pair = packed.to(tl.int32)
+            if NATIVE:
+                w_even, w_odd = _lookup_pair(pairs_ptr, pair)
+            else:
+                w_even = tl.load(pairs_ptr + 2 * pair)
+                w_odd = tl.load(pairs_ptr + 2 * pair + 1)
+            w_even = w_even * scale[:, None]
+            w_odd = w_odd * scale[:, None]
+        elif EVEN_ODD and NATIVE:
             w_even = _lookup(code_ptr, (packed >> 4).to(tl.int32)) * scale[:, None]
             w_odd = _lookup(code_ptr, (packed & 0xF).to(tl.int32)) * scale[:, None]
         else:
@@ -261,7 +286,8 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, EVEN_ODD=_EVEN_ODD)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, EVEN_ODD=_EVEN_ODD,
+                PAIRS=_PAIRS)
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -284,8 +310,9 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, n, lora_a, lora_b, scaling, bias, config=None):
-    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests)."""
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, pairs=None, config=None):
+    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests); `pairs` (None: the
+    16 codes looked up one nibble at a time) is used where the config's PAIRS is on."""
     m, k = x2.shape
     config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
@@ -300,8 +327,9 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     rank = lora_a.shape[0] if lora else 0
     cuda = launch_like_cuda(x2)
     native = cuda and x2.dtype != torch.float32
+    use_pairs = config["PAIRS"] and pairs is not None
     _nf4_lora_linear_kernel[grid](
-        x2, packed, absmax, code, nested_absmax if nested else absmax, nested_code if nested else code,
+        x2, packed, absmax, code, pairs if use_pairs else code, nested_absmax if nested else absmax, nested_code if nested else code,
         offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
         out, part, counters,
         m, n, k, config["k_per_split"], rank, float(scaling),
@@ -309,7 +337,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=native, PRECISION=None if native else "ieee", EVEN_ODD=config["EVEN_ODD"],
+        NATIVE=native, PRECISION=None if native else "ieee", EVEN_ODD=config["EVEN_ODD"], PAIRS=use_pairs,
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
@@ -341,7 +369,9 @@ def _dequantize(packed, absmax, code, nested_absmax=None, nested_code=None, offs
 def reference_dequantize_nf4(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The [N, K] weight of bitsandbytes' packed 4-bit tensor and its `QuantState` in plain torch (see the module
     docstring), in `dtype` (default: the state's dtype): bit-exact with `bitsandbytes.functional.dequantize_4bit`."""
-    return _dequantize(packed, **quant_state_args(quant_state), dtype=dtype or quant_state.dtype)
+    args = quant_state_args(quant_state)
+    del args["pairs"]
+    return _dequantize(packed, **args, dtype=dtype or quant_state.dtype)
 
 
 def reference_nf4_lora_linear(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
@@ -381,14 +411,14 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
                         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                         offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
                         lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
-                        bias: torch.Tensor | None) -> torch.Tensor:
+                        bias: torch.Tensor | None, pairs: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         out = x2.new_empty(0, out_features)
     elif _takes_triton(x2, blocksize, k, lora_a):
         out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias)
+                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, pairs)
     else:
         out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
                                         nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
@@ -398,20 +428,30 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
 
 @_nf4_lora_linear_op.register_fake
 def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
-      lora_a, lora_b, scaling, bias):
+      lora_a, lora_b, scaling, bias, pairs):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def nf4_pair_table(code: torch.Tensor) -> torch.Tensor:
+    """The [256, 2] fp32 table of a packed byte's two codes: row b holds (code[b >> 4], code[b & 15]), the byte's
+    even (high nibble) and odd element."""
+    byte = torch.arange(256, device=code.device)
+    code = code.reshape(-1).float()
+    return torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1).contiguous()
+
+
 def quant_state_args(quant_state) -> dict:
-    """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, shape,
-    blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize, offset."""
+    """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, pairs (its
+    `nf4_pair_table`, made here: hold the result instead of calling this per call), shape, blocksize and, when
+    double-quantized, nested_absmax, nested_code, nested_blocksize, offset."""
     if getattr(quant_state, "packing_format_for_cpu", False):
         raise ValueError("this 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an eval no-grad "
                          "forward on an AVX512-BF16 CPU); set the Linear4bit's support_avx512bf16_for_cpu = False "
                          "before its first forward to keep bitsandbytes' layout")
     if quant_state.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type {quant_state.quant_type!r}: a 4-bit state (nf4 or fp4) is needed")
-    args = dict(absmax=quant_state.absmax, code=quant_state.code, shape=tuple(quant_state.shape),
+    args = dict(absmax=quant_state.absmax, code=quant_state.code, pairs=nf4_pair_table(quant_state.code),
+                shape=tuple(quant_state.shape),
                 blocksize=int(quant_state.blocksize))
     if quant_state.nested:
         args.update(nested_absmax=quant_state.state2.absmax, nested_code=quant_state.state2.code,
@@ -424,9 +464,10 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                     nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                     nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
                     lora_b: torch.Tensor | None = None, scaling: float = 1.0,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. For
-    sampling only: no autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
+                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. `pairs`:
+    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None. For sampling only: no
+    autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
     tensors = (x, lora_a, lora_b, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
@@ -464,10 +505,15 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                              f"and ({n}, {r})")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
+    if pairs is not None and (pairs.shape != (256, 2) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
+                              or pairs.device != code.device):
+        raise ValueError(f"pairs {tuple(pairs.shape)} {pairs.dtype} on {pairs.device}: expected nf4_pair_table(code), "
+                         f"a contiguous (256, 2) float32 tensor on {code.device}")
     return _nf4_lora_linear_op(x, flat, absmax.reshape(-1), code.reshape(-1).float(),
                                None if nested_absmax is None else nested_absmax.reshape(-1).float(),
                                None if nested_code is None else nested_code.reshape(-1).float(), offset,
-                               int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias)
+                               int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
+                               pairs)
 
 
 def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
