@@ -1,7 +1,7 @@
 """A QLoRA linear for decode steps: the 4-bit (NF4) base weight read packed, the LoRA product added in the same launch.
 
 `nf4_lora_linear(x, packed, absmax, code, shape=(N, K), blocksize=64, nested_absmax=, nested_code=, offset=,
-nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None)`:
+nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, pairs=None)`:
 
     out[M, N] = x[M, K] @ W[N, K]^T + scaling * (x @ lora_a^T)[M, r] @ lora_b^T[r, N] (+ bias[N])
 
@@ -21,9 +21,10 @@ W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / 
   256-entry dynamic map `state2.code`, nested_blocksize `state2.blocksize` = 256, offset a 0-d fp32 tensor).
 
 Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns, so
-a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks both nibbles of the
-step's [BN, BK/2] packed bytes up in the 16-entry table (a gather from a 64-byte table that stays in L1) and scales
-them, the weight cast to x's dtype as bitsandbytes casts it. The even columns' [BN, BK/2] values and the odd ones'
+a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks each of the step's
+[BN, BK/2] packed bytes up in the 256-entry table of code pairs (`pairs`, `_PAIRS`: one 8-byte gather a byte from
+2 KB that stay in L1), or each nibble in the 16 codes, and scales them, the weight cast to x's dtype as bitsandbytes
+casts it. The even columns' [BN, BK/2] values and the odd ones'
 then multiply x's even and odd columns in two `tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the
 values staying in the layout the bytes were loaded in; or they are set side by side (`tl.join`) and multiply x's
 [BM, BK] tile in one. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the
