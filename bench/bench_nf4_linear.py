@@ -97,8 +97,9 @@ def l2_bytes() -> int:
 
 # (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, with the
 # weight's even and odd columns in two products (`_EVEN_ODD`) or joined into one, a byte's codes in one lookup of
-# the pair table (`_PAIRS`) or one a nibble.
-FORMS = [dict(even_odd=True, pairs=True), dict(even_odd=True, pairs=False), dict(even_odd=False, pairs=False)]
+# the pair table (`_PAIRS`) or one a nibble, or looked up in registers (`_LUT`).
+FORMS = [dict(even_odd=True, pairs=True, lut=False), dict(even_odd=True, pairs=False, lut=False),
+         dict(even_odd=False, pairs=False, lut=False), dict(even_odd=True, pairs=False, lut=True)]
 SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, **form)
          for form in FORMS
          for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
@@ -111,12 +112,13 @@ def sweep_settings(config: dict):
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_EVEN_ODD", config["even_odd"]),
-            (nf4_module, "_PAIRS", config["pairs"])]
+            (nf4_module, "_PAIRS", config["pairs"]), (nf4_module, "_LUT", config["lut"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + ("" if config["even_odd"] else " joined") + (" pairs" if config["pairs"] else ""))
+            + ("" if config["even_odd"] else " joined") + (" pairs" if config["pairs"] else "")
+            + (" lut" if config["lut"] else ""))
 
 
 def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:

@@ -17,6 +17,7 @@ from fastgrpo.kernels.nf4_lora_linear import (
     kernel_obstacle,
     launch_config,
     lora_factors,
+    lut_asm,
     nf4_lora_linear,
     nf4_lora_linear_from_module,
     quant_state_args,
@@ -98,13 +99,13 @@ def _op_args(inputs):
             inputs.get("nested_absmax"), inputs.get("nested_code"),
             None if inputs.get("offset") is None else inputs["offset"].reshape(()), inputs["blocksize"],
             inputs.get("nested_blocksize", 256), n, inputs.get("lora_a"), inputs.get("lora_b"), inputs["scaling"],
-            inputs["bias"], inputs.get("pairs")), (n, k)
+            inputs["bias"], inputs.get("pairs"), inputs.get("code_values")), (n, k)
 
 
 def expected(inputs):
     """The float64 reference: the weight rounded to x's dtype as the kernel takes it, the rest in float64."""
     args, shape = _op_args(inputs)
-    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _ = args
+    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _, _ = args
     return reference_nf4_lora_linear(x, packed, absmax, code, nabs, ncode, offset, bs, nbs, shape, a, b, scaling, bias,
                                      compute_dtype=torch.float64)
 
@@ -121,20 +122,26 @@ cases = st.tuples(
     st.integers(0, 2**16), st.integers(1, 40), st.integers(1, 160), st.integers(1, 4), st.sampled_from([32, 64, 128]),
     st.booleans(), st.booleans(), st.sampled_from([0, 1, 8, 16]),
     st.sampled_from([torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]),
-    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.integers(1, 4), st.booleans(), st.booleans(),
+    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.integers(1, 4),
+    st.sampled_from(["joined", "even_odd", "pairs", "lut"]),
 )
+# The kernel's forms (the module's _EVEN_ODD, _PAIRS and _LUT settings).
+FORMS = {"joined": dict(EVEN_ODD=False, PAIRS=False, LUT=False),
+         "even_odd": dict(EVEN_ODD=True, PAIRS=False, LUT=False),
+         "pairs": dict(EVEN_ODD=True, PAIRS=True, LUT=False),
+         "lut": dict(EVEN_ODD=True, PAIRS=False, LUT=True)}
 
 
 @settings(max_examples=100)
 @given(cases)
 def test_triton_kernel_matches_the_float64_reference(params):
-    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, even_odd, pairs = params
+    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, form = params
     k = blocks * blocksize
     inputs = _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strided)
     args, _ = _op_args(inputs)
     config = launch_config(m, n, k, blocksize, torch.device("cpu"))
     per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
-    config.update(k_per_split=per_split, splits=cdiv(k, per_split), EVEN_ODD=even_odd, PAIRS=pairs)
+    config.update(k_per_split=per_split, splits=cdiv(k, per_split), **FORMS[form])
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
@@ -149,6 +156,62 @@ def test_triton_kernel_rank_64_many_rows_and_m_tiles():
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
+
+
+def _run_ptx(asm: str, operand: int) -> tuple[int, int]:
+    """A reading of `lut_asm`'s PTX by the ISA's rules (mov, shr, shl, and, or, lop3; prmt in its default mode,
+    selector bit 3 replicating the picked byte's sign), on one 32-bit input $2: the outputs ($0, $1)."""
+    regs = {"$2": operand}
+
+    def value(token):
+        return regs[token] if token in regs else int(token, 0)
+
+    for instruction in asm.strip("{} ").split(";"):
+        words = instruction.replace(",", " ").split()
+        if not words or words[0] == ".reg":
+            continue
+        op, dst, args = words[0], words[1], [value(t) for t in words[2:]]
+        if op == "mov.b32":
+            out = args[0]
+        elif op == "shr.b32":
+            out = args[0] >> args[1]
+        elif op == "shl.b32":
+            out = args[0] << args[1]
+        elif op == "and.b32":
+            out = args[0] & args[1]
+        elif op == "or.b32":
+            out = args[0] | args[1]
+        elif op == "lop3.b32":
+            a, b, c, table = args
+            out = sum(((table >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+        elif op == "prmt.b32":
+            pool, out = args[0] | args[1] << 32, 0
+            for i in range(4):
+                sel = args[2] >> (4 * i) & 0xF
+                byte = pool >> (8 * (sel & 7)) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        else:
+            raise AssertionError(f"unread instruction {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_register_table_lookup_gives_each_nibbles_code(dtype, quant_type):
+    """`lut_asm`'s two lookups, read instruction by instruction: every byte value in every one of the 4 positions
+    gives the code of its high (even column) or low (odd column) nibble, rounded to the dtype, in element order."""
+    _, state = quantized(8, 64, quant_type=quant_type)
+    codes = state.code.float().to(dtype).view(torch.int16).tolist()
+    high, low = lut_asm(tuple(state.code.tolist()), dtype)
+    g = torch.Generator().manual_seed(0)
+    words = [b * 0x01010101 for b in range(256)] + torch.randint(0, 2**32, (512,), generator=g).tolist()
+    for word in words:
+        for asm, nibble in ((high, lambda byte: byte >> 4), (low, lambda byte: byte & 0xF)):
+            out0, out1 = _run_ptx(asm, word)
+            got = [out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16]
+            want = [codes[nibble(word >> (8 * i) & 0xFF)] & 0xFFFF for i in range(4)]
+            assert got == want, (hex(word), got, want)
 
 
 @pytest.fixture
@@ -169,15 +232,15 @@ def split_order(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("even_odd,pairs", [(False, False), (True, False), (True, True)])
-def test_split_k_sum_does_not_depend_on_arrival_order(split_order, even_odd, pairs):
+@pytest.mark.parametrize("form", FORMS)
+def test_split_k_sum_does_not_depend_on_arrival_order(split_order, form):
     """The tile's last program sums every split's partial in split order: the same bits whichever program arrives
     last (on a GPU: run to run, and eager against a CUDA-graph replay), and repeated calls are bit-equal; with the
     weight's columns joined or in even/odd products."""
     inputs = _case(7, 5, 40, 512, 64, True, True, 8, torch.float32, torch.float32, False)
     args, _ = _op_args(inputs)
-    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128, EVEN_ODD=even_odd,
-                  PAIRS=pairs)
+    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128,
+                  **FORMS[form])
     outs = []
     with triton_on_cpu():
         for order in (None, lambda s, n: n - 1 - s, lambda s, n: (s + 1) % n, None):
@@ -379,12 +442,12 @@ def _bnb_lora(x, packed, state, a, b, scaling, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("even_odd,pairs", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("n,k", [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)])
-def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, even_odd, pairs, monkeypatch):
-    monkeypatch.setattr(nf4_module, "_EVEN_ODD", even_odd)
-    monkeypatch.setattr(nf4_module, "_PAIRS", pairs)
+def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, form, monkeypatch):
+    for name, value in FORMS[form].items():
+        monkeypatch.setattr(nf4_module, f"_{name}", value)
     x, packed, state, a, b, bias = _gpu_case(m, n, k, bias=n == 256)
     kwargs = dict(**quant_state_args(state), lora_a=a, lora_b=b, scaling=2.0, bias=bias)
     with torch.no_grad():

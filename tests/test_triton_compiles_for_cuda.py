@@ -15,7 +15,6 @@ the GPU's first call would (stopping before LLVM and ptxas, for time), and check
 against an H100/H200's 227 KB per block.
 """
 import importlib
-import itertools
 import inspect
 import json
 import os
@@ -244,7 +243,7 @@ def _run_every_op():
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; the weight's
-    # columns joined or in even/odd products, each with the 16 codes or the 256 code pairs.
+    # columns joined or in even/odd products with the 16 codes, the 256 code pairs, or codes looked up in registers.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
@@ -253,14 +252,16 @@ def _run_every_op():
             (3, 256, 256, torch.float32, 64, False, 8, torch.float32, True)):
         blocks = n * k // blocksize
         quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32), code=torch.zeros(16),
-                     pairs=torch.zeros(256, 2), shape=(n, k), blocksize=blocksize)
+                     pairs=torch.zeros(256, 2), code_values=tuple(range(16)), shape=(n, k), blocksize=blocksize)
         if nested:
             quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        for even_odd, pairs in itertools.product((False, True), (False, True)):
-            with mock.patch.object(nf4_module, "_EVEN_ODD", even_odd), mock.patch.object(nf4_module, "_PAIRS", pairs):
+        for even_odd, pairs, lut in ((False, False, False), (True, False, False), (True, True, False),
+                                     (True, False, True)):
+            with (mock.patch.object(nf4_module, "_EVEN_ODD", even_odd), mock.patch.object(nf4_module, "_PAIRS", pairs),
+                  mock.patch.object(nf4_module, "_LUT", lut)):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
 

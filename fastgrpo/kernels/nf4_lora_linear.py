@@ -40,6 +40,8 @@ op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -70,6 +72,12 @@ _EVEN_ODD = False
 # form's K step: 312 instructions against 390 at 8 rows, 260 against 308 at 64. Timed by `python
 # bench/bench_nf4_linear.py --rows 8 64 --sweep forms`.
 _PAIRS = True
+# The codes looked up in registers from a table held in the instructions (`lut_asm`), the bytes loaded straight into
+# the dot operand's layout (no shared-memory round trip of the weight), the codes in x's dtype times x, then each row's
+# block scale on the fp32 product: the weight is rounded before its scale instead of after (bitsandbytes rounds
+# code * scale), the same maths. sm_90 build (triton 3.6, gate/up at 8 rows): see `python bench/bench_nf4_linear.py
+# --rows 8 64 --sweep forms`. Off until a GPU run checks and times it.
+_LUT = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -80,11 +88,15 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 @triton.jit
 def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, BLOCKSIZE: tl.constexpr,
-                NESTED_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr):
-    """What a step reads from HBM: its [BN, BK/2] packed bytes, each row's block statistic (the fp32 absmax, or the
-    uint8 code of a double-quantized one and its nested absmax). A step at or past k_hi loads nothing."""
+                NESTED_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BYTES: tl.constexpr):
+    """What a step reads from HBM: its [BN, BK/2] packed bytes (BYTES; else a placeholder), each row's block
+    statistic (the fp32 absmax, or the uint8 code of a double-quantized one and its nested absmax). A step at or
+    past k_hi loads nothing."""
     ok = n_ok & (tl.zeros_like(first_block) + k < k_hi)  # (a tensor compare: the interpreter's scalar one is no mask)
-    packed = tl.load(w_rows + (k // 2 + j)[None, :], mask=ok[:, None], other=0)
+    if BYTES:
+        packed = tl.load(w_rows + (k // 2 + j)[None, :], mask=ok[:, None], other=0)
+    else:
+        packed = tl.zeros((1, 1), dtype=tl.uint8)
     block = first_block + k // BLOCKSIZE
     stat = tl.load(absmax_ptr + block, mask=ok, other=0)
     if NESTED:
@@ -123,7 +135,7 @@ def _nf4_lora_linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, EVEN_ODD: tl.constexpr,
-    PAIRS: tl.constexpr,
+    PAIRS: tl.constexpr, LUT: tl.constexpr, LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -145,6 +157,7 @@ def _nf4_lora_linear_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * (K // 2)  # (LUT: the step's bytes as a [BK/2, BN] tile)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
@@ -156,9 +169,9 @@ def _nf4_lora_linear_kernel(
         a_rows = a_ptr + rr[:, None] * sar
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED)
+                             NESTED_BLOCKSIZE, NESTED, not LUT)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED)
+                             NESTED_BLOCKSIZE, NESTED, not LUT)
     x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
     if LORA:
         a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak, mask=r_ok[:, None], other=0.0)
@@ -173,12 +186,27 @@ def _nf4_lora_linear_kernel(
                          other=0.0)
         p1, s1, t1 = p2, s2, t2
         p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
-                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED)
+                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, not LUT)
         if NESTED:
             scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
         else:
             scale = stat.to(tl.float32)
-        if PAIRS:
+        if LUT:
+            # The step's bytes loaded in the loop (Triton's pipeline copies them ahead: a load carried across
+            # iterations would not be moved into the dot operand's layout), looked up as they lie there.
+            packed_t = tl.load(w_cols + (k // 2 + j)[:, None], mask=n_ok[None, :], other=0)
+            if NATIVE:
+                # The code of each byte's high or low nibble in x's dtype, from a table held in the instructions
+                # (`lut_asm`): pure unary elementwise ops, so Triton loads the bytes straight into the dot operand's
+                # layout and looks them up there.
+                w_even = tl.inline_asm_elementwise(LUT_HIGH, "=r,=r,r", [packed_t], dtype=x_ptr.dtype.element_ty,
+                                                   is_pure=True, pack=4)
+                w_odd = tl.inline_asm_elementwise(LUT_LOW, "=r,=r,r", [packed_t], dtype=x_ptr.dtype.element_ty,
+                                                  is_pure=True, pack=4)
+            else:
+                w_even = tl.load(code_ptr + (packed_t >> 4).to(tl.int32))
+                w_odd = tl.load(code_ptr + (packed_t & 0xF).to(tl.int32))
+        elif PAIRS:
             pair = packed.to(tl.int32)
             if NATIVE:
                 w_even, w_odd = _lookup_pair(pairs_ptr, pair)
@@ -200,7 +228,17 @@ def _nf4_lora_linear_kernel(
             x = x.to(tl.float32)
             if LORA:
                 a = a.to(tl.float32)
-        if EVEN_ODD:
+        if LUT:
+            x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
+            if LORA:
+                a_even, a_odd = tl.split(tl.reshape(a, (R_PAD, BK // 2, 2)))
+                xa = tl.dot(x_even, tl.trans(a_even), xa, input_precision=PRECISION)
+                xa = tl.dot(x_odd, tl.trans(a_odd), xa, input_precision=PRECISION)
+            # codes times x, then the rows' block scales (one a row in a step)
+            part = tl.dot(x_even, w_even, input_precision=PRECISION)
+            part = tl.dot(x_odd, w_odd, part, input_precision=PRECISION)
+            acc += part * scale[None, :]
+        elif EVEN_ODD:
             if NATIVE:
                 w_even = w_even.to(x_ptr.dtype.element_ty)
                 w_odd = w_odd.to(x_ptr.dtype.element_ty)
@@ -288,7 +326,36 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
     return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, EVEN_ODD=_EVEN_ODD,
-                PAIRS=_PAIRS)
+                PAIRS=_PAIRS, LUT=_LUT)
+
+
+_LUT_BODY = (
+    "and.b32 t, t, 0x0F0F0F0F; shr.b32 s, t, 4; or.b32 s, s, t; prmt.b32 s, s, 0, 0x0020; "  # nibble i of s: code i
+    "and.b32 s, s, 0x7777; prmt.b32 m, m, 0, 0xBA98; "  # m: byte i 0xFF where code i >= 8 (its bit 3 at bit 7)
+    "prmt.b32 a, {l0}, {l1}, s; prmt.b32 b, {l2}, {l3}, s; lop3.b32 a, a, b, m, 0xD8; "  # low bytes: m ? b : a
+    "prmt.b32 b, {h0}, {h1}, s; prmt.b32 c, {h2}, {h3}, s; lop3.b32 b, b, c, m, 0xD8; "  # high bytes
+    "prmt.b32 $0, a, b, 0x5140; prmt.b32 $1, a, b, 0x7362; }}"  # codes 0, 1 and 2, 3 as two 16-bit pairs
+)
+
+
+@functools.lru_cache(maxsize=None)
+def lut_asm(values: tuple[float, ...], dtype: torch.dtype) -> tuple[str, str]:
+    """PTX of `_lookup_codes` for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high, low) look up the
+    high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit codes in $0, $1.
+    A byte of 8 entries is picked by `prmt` (selectors: the nibbles' low 3 bits); entries 8-15 come from a second
+    `prmt`, chosen by the nibble's bit 3."""
+    bits = [int(b) & 0xFFFF for b in torch.tensor(values, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
+
+    def word(entries):
+        return hex(sum(e << (8 * i) for i, e in enumerate(entries)))
+
+    tables = {f"l{t}": word([b & 0xFF for b in bits[4 * t:4 * t + 4]]) for t in range(4)}
+    tables.update({f"h{t}": word([b >> 8 for b in bits[4 * t:4 * t + 4]]) for t in range(4)})
+    body = _LUT_BODY.format(**tables)
+    head = "{ .reg .b32 t, s, m, a, b, c; "
+    high = head + "shr.b32 t, $2, 4; mov.b32 m, $2; " + body  # bit 3 of the high nibble is the byte's bit 7
+    low = head + "mov.b32 t, $2; shl.b32 m, $2, 4; " + body
+    return high, low
 
 
 def _reduce_rows(bm: int, bn: int, splits: int) -> int:
@@ -311,9 +378,11 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, n, lora_a, lora_b, scaling, bias, pairs=None, config=None):
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, pairs=None, code_values=None,
+                            config=None):
     """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests); `pairs` (None: the
-    16 codes looked up one nibble at a time) is used where the config's PAIRS is on."""
+    16 codes looked up one nibble at a time) is used where the config's PAIRS is on, `code_values` (the codes on
+    the host) where its LUT is."""
     m, k = x2.shape
     config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
@@ -323,15 +392,17 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     if splits > 1 and grid[0] * grid[2] > _COUNTERS:
         raise ValueError(f"{grid[0] * grid[2]} tiles need more than the {_COUNTERS} counters; split K less")
     counters = _counter_buffer(x2.device) if splits > 1 else out
+    cuda = launch_like_cuda(x2)
+    native = cuda and x2.dtype != torch.float32
     nested = nested_absmax is not None
     lora = lora_a is not None
     rank = lora_a.shape[0] if lora else 0
-    cuda = launch_like_cuda(x2)
-    native = cuda and x2.dtype != torch.float32
     use_pairs = config["PAIRS"] and pairs is not None
+    use_lut = config["LUT"] and (not native or code_values is not None)
+    lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
     _nf4_lora_linear_kernel[grid](
-        x2, packed, absmax, code, pairs if use_pairs else code, nested_absmax if nested else absmax, nested_code if nested else code,
-        offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
+        x2, packed, absmax, code, pairs if use_pairs else code, nested_absmax if nested else absmax,
+        nested_code if nested else code, offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
         out, part, counters,
         m, n, k, config["k_per_split"], rank, float(scaling),
         x2.stride(0), x2.stride(1), lora_a.stride(0) if lora else 0, lora_a.stride(1) if lora else 0,
@@ -339,6 +410,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
         NATIVE=native, PRECISION=None if native else "ieee", EVEN_ODD=config["EVEN_ODD"], PAIRS=use_pairs,
+        LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
@@ -371,7 +443,7 @@ def reference_dequantize_nf4(packed: torch.Tensor, quant_state, dtype: torch.dty
     """The [N, K] weight of bitsandbytes' packed 4-bit tensor and its `QuantState` in plain torch (see the module
     docstring), in `dtype` (default: the state's dtype): bit-exact with `bitsandbytes.functional.dequantize_4bit`."""
     args = quant_state_args(quant_state)
-    del args["pairs"]
+    del args["pairs"], args["code_values"]
     return _dequantize(packed, **args, dtype=dtype or quant_state.dtype)
 
 
@@ -412,14 +484,16 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
                         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                         offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
                         lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
-                        bias: torch.Tensor | None, pairs: torch.Tensor | None) -> torch.Tensor:
+                        bias: torch.Tensor | None, pairs: torch.Tensor | None,
+                        code_values: list[float] | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         out = x2.new_empty(0, out_features)
     elif _takes_triton(x2, blocksize, k, lora_a):
         out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, pairs)
+                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, pairs,
+                                      code_values)
     else:
         out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
                                         nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
@@ -429,7 +503,7 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
 
 @_nf4_lora_linear_op.register_fake
 def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
-      lora_a, lora_b, scaling, bias, pairs):
+      lora_a, lora_b, scaling, bias, pairs, code_values):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -443,8 +517,9 @@ def nf4_pair_table(code: torch.Tensor) -> torch.Tensor:
 
 def quant_state_args(quant_state) -> dict:
     """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, pairs (its
-    `nf4_pair_table`, made here: hold the result instead of calling this per call), shape, blocksize and, when
-    double-quantized, nested_absmax, nested_code, nested_blocksize, offset."""
+    `nf4_pair_table`) and code_values (read to the host: a sync; made here, so hold the result instead of calling
+    this per call), shape, blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize,
+    offset."""
     if getattr(quant_state, "packing_format_for_cpu", False):
         raise ValueError("this 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an eval no-grad "
                          "forward on an AVX512-BF16 CPU); set the Linear4bit's support_avx512bf16_for_cpu = False "
@@ -452,6 +527,7 @@ def quant_state_args(quant_state) -> dict:
     if quant_state.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type {quant_state.quant_type!r}: a 4-bit state (nf4 or fp4) is needed")
     args = dict(absmax=quant_state.absmax, code=quant_state.code, pairs=nf4_pair_table(quant_state.code),
+                code_values=tuple(float(v) for v in quant_state.code.reshape(-1).tolist()),
                 shape=tuple(quant_state.shape),
                 blocksize=int(quant_state.blocksize))
     if quant_state.nested:
@@ -465,9 +541,11 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                     nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                     nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
                     lora_b: torch.Tensor | None = None, scaling: float = 1.0,
-                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+                    code_values: tuple[float, ...] | None = None) -> torch.Tensor:
     """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. `pairs`:
-    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None. For sampling only: no
+    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None; `code_values`: code's
+    16 values on the host (the same caveat), or None. For sampling only: no
     autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
     tensors = (x, lora_a, lora_b, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
@@ -510,11 +588,13 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                               or pairs.device != code.device):
         raise ValueError(f"pairs {tuple(pairs.shape)} {pairs.dtype} on {pairs.device}: expected nf4_pair_table(code), "
                          f"a contiguous (256, 2) float32 tensor on {code.device}")
+    if code_values is not None and len(code_values) != 16:
+        raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
     return _nf4_lora_linear_op(x, flat, absmax.reshape(-1), code.reshape(-1).float(),
                                None if nested_absmax is None else nested_absmax.reshape(-1).float(),
                                None if nested_code is None else nested_code.reshape(-1).float(), offset,
                                int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
-                               pairs)
+                               pairs, None if code_values is None else [float(v) for v in code_values])
 
 
 def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
