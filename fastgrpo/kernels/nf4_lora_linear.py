@@ -70,13 +70,15 @@ _EVEN_ODD = False
 # A byte's two weights in one 8-byte lookup of a 256-entry table of code pairs (`nf4_pair_table`, passed as `pairs`;
 # `quant_state_args` makes it) instead of two 4-byte lookups of the 16 codes: sm_90 builds (as above) of the even/odd
 # form's K step: 312 instructions against 390 at 8 rows, 260 against 308 at 64. Timed by `python
-# bench/bench_nf4_linear.py --rows 8 64 --sweep forms`.
-_PAIRS = True
+# bench/bench_nf4_linear.py --rows 8 64 --sweep forms`. Off until a GPU run checks and times it (as _EVEN_ODD).
+_PAIRS = False
 # The codes looked up in registers from a table held in the instructions (`lut_asm`), the bytes loaded straight into
 # the dot operand's layout (no shared-memory round trip of the weight), the codes in x's dtype times x, then each row's
 # block scale on the fp32 product: the weight is rounded before its scale instead of after (bitsandbytes rounds
-# code * scale), the same maths. sm_90 build (triton 3.6, gate/up at 8 rows): see `python bench/bench_nf4_linear.py
-# --rows 8 64 --sweep forms`. Off until a GPU run checks and times it.
+# code * scale), the same maths. sm_90 builds (as above): 373 instructions a K step at 8 rows (the bytes go through
+# shared memory unpipelined, and each `prmt` table word is copied into a register), 420 at 64 rows (whose wgmma reads
+# the weight from shared memory anyway): more than the pair form's; left to the GPU (the lookups are no L1 gathers)
+# with `python bench/bench_nf4_linear.py --rows 8 64 --sweep forms`. Off until a GPU run checks and times it.
 _LUT = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
