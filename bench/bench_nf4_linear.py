@@ -18,7 +18,9 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
                                                        # row count (columns a tile, warps, programs per SM, the
                                                        # weight's even/odd columns in two products or joined)
-    python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is, even/odd products and joined
+    python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form (even/odd products
+                                                       # with code pairs, single codes or the register table;
+                                                       # joined), each checked against bitsandbytes + PEFT first
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
@@ -121,12 +123,16 @@ def _name(config: dict) -> str:
             + (" lut" if config["lut"] else ""))
 
 
-def sweep(ours, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
-    """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first; one row for the results."""
+def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
+    """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first, each setting's output checked
+    first (`check()`); one row for the results."""
     block_n, per_sm = nf4_module.tile_settings(m)
     configs = SWEEP if args.sweep == "all" else [
         dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm, **form)
         for form in FORMS]
+    for config in configs:
+        with harness.patched(*sweep_settings(config)):
+            check(f"{name} rows {m} at {_name(config)}")
     now, timings = harness.time_launch_configs(ours, configs, sweep_settings, rep=20)
     best_ms, best = timings[0]
     print(f"{name} {n}x{k} rows {m}: now {now * 1e3 / copies:.1f} us, best {best_ms * 1e3 / copies:.1f} us at {best}; "
@@ -165,9 +171,14 @@ def main(argv=None):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 want = layers[0](x).float()
-                got = ours_calls[0](x).float()
-                err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-                assert err < 3e-2, f"{name} rows {m}: fastgrpo and bitsandbytes + PEFT differ by {err:.3g} (relative)"
+
+                def check(what):
+                    got = ours_calls[0](x).float()
+                    err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+                    assert err < 3e-2, f"{what}: fastgrpo and bitsandbytes + PEFT differ by {err:.3g} (relative)"
+                    return err
+
+                err = check(f"{name} rows {m}")
 
                 def ours():
                     for call in ours_calls:
@@ -178,7 +189,7 @@ def main(argv=None):
                         layer(x)
 
                 if args.sweep and cuda:
-                    row = sweep(ours, name, n, k, m, copies, args)
+                    row = sweep(ours, check, name, n, k, m, copies, args)
                     harness.emit(row)
                     rows_out.append(row)
                     continue
