@@ -1,7 +1,8 @@
 """A QLoRA linear for decode steps: the 4-bit (NF4) base weight read packed, the LoRA product added in the same launch.
 
 `nf4_lora_linear(x, packed, absmax, code, shape=(N, K), blocksize=64, nested_absmax=, nested_code=, offset=,
-nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, pairs=None)`:
+nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, pairs=None,
+code_values=None)`:
 
     out[M, N] = x[M, K] @ W[N, K]^T + scaling * (x @ lora_a^T)[M, r] @ lora_b^T[r, N] (+ bias[N])
 
@@ -24,10 +25,11 @@ Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in s
 a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks each of the step's
 [BN, BK/2] packed bytes up in the 256-entry table of code pairs (`pairs`, `_PAIRS`: one 8-byte gather a byte from
 2 KB that stay in L1), or each nibble in the 16 codes, and scales them, the weight cast to x's dtype as bitsandbytes
-casts it. The even columns' [BN, BK/2] values and the odd ones'
-then multiply x's even and odd columns in two `tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the
-values staying in the layout the bytes were loaded in; or they are set side by side (`tl.join`) and multiply x's
-[BM, BK] tile in one. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the
+casts it. The even columns' [BN, BK/2] values and the odd ones' then multiply x's even and odd columns in two
+`tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the values staying in the layout the bytes were
+loaded in; or they are set side by side (`tl.join`) and multiply x's [BM, BK] tile in one. A third form (`_LUT`,
+`code_values` on the host) looks the codes up in registers from a table held in the instructions and scales the
+product instead of the weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the
 gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same
 x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K
 parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split,
@@ -342,8 +344,9 @@ _LUT_BODY = (
 
 @functools.lru_cache(maxsize=None)
 def lut_asm(values: tuple[float, ...], dtype: torch.dtype) -> tuple[str, str]:
-    """PTX of `_lookup_codes` for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high, low) look up the
-    high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit codes in $0, $1.
+    """PTX of the register-table lookups (`_LUT`) for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high,
+    low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit
+    codes in $0, $1.
     A byte of 8 entries is picked by `prmt` (selectors: the nibbles' low 3 bits); entries 8-15 come from a second
     `prmt`, chosen by the nibble's bit 3."""
     bits = [int(b) & 0xFFFF for b in torch.tensor(values, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
@@ -404,7 +407,8 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
     _nf4_lora_linear_kernel[grid](
         x2, packed, absmax, code, pairs if use_pairs else code, nested_absmax if nested else absmax,
-        nested_code if nested else code, offset if nested else code, lora_a if lora else x2, lora_b if lora else x2, bias if bias is not None else out,
+        nested_code if nested else code, offset if nested else code, lora_a if lora else x2,
+        lora_b if lora else x2, bias if bias is not None else out,
         out, part, counters,
         m, n, k, config["k_per_split"], rank, float(scaling),
         x2.stride(0), x2.stride(1), lora_a.stride(0) if lora else 0, lora_a.stride(1) if lora else 0,
