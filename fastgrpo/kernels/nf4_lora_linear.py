@@ -29,8 +29,8 @@ casts it. The even columns' [BN, BK/2] values and the odd ones' then multiply x'
 `tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the values staying in the layout the bytes were
 loaded in; or they are set side by side (`tl.join`) and multiply x's [BM, BK] tile in one. A third form (`_LUT`,
 `code_values` on the host) looks the codes up in registers from a table held in the instructions and scales the
-product instead of the weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the
-gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same
+product instead of the weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead,
+so that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same
 x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K
 parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split,
 every program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all
