@@ -21,20 +21,20 @@ W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / 
   scale is nested_code[absmax[b]] * nested_absmax[b // nested_blocksize] + offset (fp32; nested_code is the
   256-entry dynamic map `state2.code`, nested_blocksize `state2.blocksize` = 256, offset a 0-d fp32 tensor).
 
-Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns, so
-a step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks each of the step's
-[BN, BK/2] packed bytes up in the 256-entry table of code pairs (`pairs`, `_PAIRS`: one 8-byte gather a byte from
-2 KB that stay in L1), or each nibble in the 16 codes, and scales them, the weight cast to x's dtype as bitsandbytes
-casts it. The even columns' [BN, BK/2] values and the odd ones' then multiply x's even and odd columns in two
-`tl.dot`s (`_EVEN_ODD`; M padded to 16: tensor cores at every M), the values staying in the layout the bytes were
-loaded in; or they are set side by side (`tl.join`) and multiply x's [BM, BK] tile in one. A third form (`_LUT`,
-`code_values` on the host) looks the codes up in registers from a table held in the instructions and scales the
-product instead of the weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead,
-so that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same
-x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K
-parts, splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split,
-every program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all
-the tile's partials (its own read back) in split order, adds the bias, writes the output and resets the counter (the
+Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns, so a
+step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks each of the step's [BN,
+BK/2] packed bytes up in the 256-entry table of code pairs (`pairs`, `_PAIRS`: one 8-byte gather a byte from 2 KB
+that stay in L1), or each nibble in the 16 codes, and scales them, the weight cast to x's dtype as bitsandbytes casts
+it. The even columns' [BN, BK/2] values and the odd ones' then multiply x's even and odd columns in two `tl.dot`s
+(`_EVEN_ODD`; M padded to 16: tensor cores at every M), the values staying in the layout the bytes were loaded in; or
+they are set side by side (`tl.join`) and multiply x's [BM, BK] tile in one. A third form (`_LUT`, `code_values` on
+the host) looks the codes up in registers from a table held in the instructions and scales the product instead of the
+weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the gathers and
+the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same x tiles;
+after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K parts,
+splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split, every
+program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all the
+tile's partials (its own read back) in split order, adds the bias, writes the output and resets the counter (the
 counters need no clearing between calls, and a captured call replays as is). The sum's order does not depend on which
 program arrives last: a call's result is deterministic, eager or captured.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
