@@ -114,7 +114,7 @@ run_step() {
       for settings in "${QLORA_RUNS[@]}"; do
         local flags=""
         for s in $settings; do flags="$flags --set $s"; done
-        n=$((n + 1)); step "qlora_ab_$n" ${QLORA_CAP:-120} "$OURS" python3 bench/grpo_qlora_step.py --offload --steps 3 $flags
+        n=$((n + 1)); step "qlora_ab_$n" ${QLORA_CAP:-120} "$OURS" python3 bench/grpo_qlora_step.py --offload $flags
       done ;;
     # Rollouts: the engine's tokens/s against the weight + KV read limit (GENERATION_ARGS, e.g. --shape gemma3-1b),
     # and its decode attention kernel against SDPA over the whole cache.
