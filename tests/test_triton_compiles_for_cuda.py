@@ -37,6 +37,7 @@ from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_into, lora_merge_plan, lora_unmerge_
+from fastgrpo.kernels.nf4_dequantize import nf4_dequantize
 from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear
 from fastgrpo.kernels.race_sample import race_sample
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
@@ -264,6 +265,20 @@ def _run_every_op():
                   mock.patch.object(nf4_module, "_LUT", lut)):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+
+    # The 4-bit weight dequantized with its LoRA delta merged (the decode's dequantize-then-GEMM path): nested and plain
+    # block scales, blocksizes 64 and 128, rank 16 and none, bf16 / fp16 / fp32 out.
+    for n, k, blocksize, nested, rank, dtype in ((8960, 1536, 64, True, 16, torch.bfloat16),
+                                                 (256, 1536, 128, False, 0, torch.float16),
+                                                 (300, 256, 64, True, 8, torch.float32)):
+        blocks = n * k // blocksize
+        quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32), code=torch.zeros(16),
+                     shape=(n, k), blocksize=blocksize)
+        if nested:
+            quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
+                         offset=torch.tensor(0.0))
+        lora = dict(lora_a=torch.zeros(rank, k), lora_b=torch.zeros(n, rank), scaling=2.0) if rank else {}
+        nf4_dequantize(torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant, **lora, dtype=dtype)
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.
