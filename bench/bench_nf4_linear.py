@@ -22,7 +22,9 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # with code pairs, single codes or the register table;
                                                        # joined), each checked against bitsandbytes + PEFT first
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
-Rows are appended to bench/results/bench_nf4_linear.jsonl (not with --tiny).
+Each projection is also timed as `nf4_dequantize` (the weight with its LoRA delta merged) + one GEMM, the rollout's
+other 4-bit decode (`adapters.FOUR_BIT_DEQUANTIZE`). Rows are appended to bench/results/bench_nf4_linear.jsonl (not
+with --tiny).
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels import nf4_lora_linear as nf4_module  # noqa: E402
+from fastgrpo.kernels.nf4_dequantize import nf4_dequantize  # noqa: E402
 from fastgrpo.kernels.nf4_lora_linear import launch_config, nf4_lora_linear, quant_state_args  # noqa: E402
 
 BLOCKSIZE = 64
@@ -84,6 +88,17 @@ def _ours_call(layer):
                   scaling=float(layer.scaling["default"]), bias=base.bias)
     packed = base.weight.data
     return lambda x: nf4_lora_linear(x, packed, **kwargs)
+
+
+def _dequantize_call(layer):
+    """The other decode of `layer`: `nf4_dequantize` (the weight with its LoRA delta merged) + one GEMM, what
+    `adapters.FOUR_BIT_DEQUANTIZE` runs."""
+    base = layer.get_base_layer()
+    kwargs = quant_state_args(base.weight.quant_state)
+    kwargs.update(lora_a=layer.lora_A["default"].weight, lora_b=layer.lora_B["default"].weight,
+                  scaling=float(layer.scaling["default"]))
+    packed = base.weight.data
+    return lambda x: F.linear(x, nf4_dequantize(packed, **kwargs, dtype=x.dtype), base.bias)
 
 
 def floor_bytes(m: int, n: int, k: int, rank: int) -> int:
@@ -167,6 +182,7 @@ def main(argv=None):
         copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
         layers = [lora_layer(n, k, args.rank, device) for _ in range(copies)]
         ours_calls = [_ours_call(layer) for layer in layers]
+        dequantize_calls = [_dequantize_call(layer) for layer in layers]
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
@@ -179,6 +195,10 @@ def main(argv=None):
                     return err
 
                 err = check(f"{name} rows {m}")
+                deq = dequantize_calls[0](x).float()
+                deq_err = (deq - want).abs().max().item() / max(1.0, want.abs().max().item())
+                assert deq_err < 3e-2, (f"{name} rows {m}: nf4_dequantize + GEMM and bitsandbytes + PEFT differ by "
+                                        f"{deq_err:.3g}")
 
                 def ours():
                     for call in ours_calls:
@@ -188,6 +208,10 @@ def main(argv=None):
                     for layer in layers:
                         layer(x)
 
+                def dequantized():
+                    for call in dequantize_calls:
+                        call(x)
+
                 if args.sweep and cuda:
                     row = sweep(ours, check, name, n, k, m, copies, args)
                     harness.emit(row)
@@ -195,21 +219,24 @@ def main(argv=None):
                     continue
                 ours_us = harness.graph_ms(ours) * 1e3 / copies
                 bnb_us = harness.graph_ms(bnb_peft) * 1e3 / copies
+                dequantize_us = harness.graph_ms(dequantized) * 1e3 / copies
             floor_us = floor_bytes(m, n, k, args.rank) / bandwidth * 1e6
             config = launch_config(m, n, k, BLOCKSIZE, x.device)
             row = dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies,
-                       fastgrpo_us=ours_us, bnb_peft_us=bnb_us, floor_us=floor_us, share_of_floor=floor_us / ours_us,
-                       speedup=bnb_us / ours_us, splits=config["splits"], max_rel_err=err)
+                       fastgrpo_us=ours_us, bnb_peft_us=bnb_us, dequantize_gemm_us=dequantize_us, floor_us=floor_us,
+                       share_of_floor=floor_us / ours_us, speedup=bnb_us / ours_us, splits=config["splits"],
+                       max_rel_err=err)
             harness.emit(row)
             rows_out.append(row)
     print(f"\n{args.shape}{' (tiny, CPU: times mean nothing)' if args.tiny else ''}, bf16 x, NF4 blocksize "
           f"{BLOCKSIZE} double-quantized, fp32 LoRA r={args.rank}; CUDA-graph replay per call; floor: bytes at "
           f"{harness.COPY_TBPS} TB/s\n")
     print(harness.md_header("projection", "N x K", "rows", "splits", "copies", "fastgrpo us", "bnb+peft us",
-                            "floor us", "share of floor", "bnb+peft / fastgrpo"))
+                            "dequantize + GEMM us", "floor us", "share of floor", "bnb+peft / fastgrpo"))
     for r in (r for r in rows_out if not r.get("sweep")):
         print(harness.md_row(r["projection"], f"{r['n']}x{r['k']}", r["rows"], r["splits"], r["copies"],
-                             f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['floor_us']:.2f}",
+                             f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['dequantize_gemm_us']:.1f}",
+                             f"{r['floor_us']:.2f}",
                              f"{100 * r['share_of_floor']:.0f} %", f"{r['speedup']:.2f}x"))
     if not args.tiny:
         harness.record("bench_nf4_linear", rows_out, argv)
