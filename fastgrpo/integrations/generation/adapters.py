@@ -181,7 +181,8 @@ class FourBitLoRALinear(nn.Module):
     the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
     result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
     (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
-    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd."""
+    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. With FOUR_BIT_DEQUANTIZE the same factors go to
+    `fastgrpo::nf4_dequantize` and one GEMM instead. Sampling only: no autograd."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
