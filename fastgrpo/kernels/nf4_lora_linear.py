@@ -448,9 +448,7 @@ def _dequantize(packed, absmax, code, nested_absmax=None, nested_code=None, offs
 def reference_dequantize_nf4(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The [N, K] weight of bitsandbytes' packed 4-bit tensor and its `QuantState` in plain torch (see the module
     docstring), in `dtype` (default: the state's dtype): bit-exact with `bitsandbytes.functional.dequantize_4bit`."""
-    args = quant_state_args(quant_state)
-    del args["pairs"], args["code_values"]
-    return _dequantize(packed, **args, dtype=dtype or quant_state.dtype)
+    return _dequantize(packed, **_state_args(quant_state), dtype=dtype or quant_state.dtype)
 
 
 def reference_nf4_lora_linear(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
@@ -526,15 +524,21 @@ def quant_state_args(quant_state) -> dict:
     `nf4_pair_table`) and code_values (read to the host: a sync; made here, so hold the result instead of calling
     this per call), shape, blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize,
     offset."""
+    args = _state_args(quant_state)
+    args.update(pairs=nf4_pair_table(quant_state.code),
+                code_values=tuple(float(v) for v in quant_state.code.reshape(-1).tolist()))
+    return args
+
+
+def _state_args(quant_state) -> dict:
+    """`quant_state_args` without the tables made from the code (what the dequantization reads)."""
     if getattr(quant_state, "packing_format_for_cpu", False):
         raise ValueError("this 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an eval no-grad "
                          "forward on an AVX512-BF16 CPU); set the Linear4bit's support_avx512bf16_for_cpu = False "
                          "before its first forward to keep bitsandbytes' layout")
     if quant_state.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type {quant_state.quant_type!r}: a 4-bit state (nf4 or fp4) is needed")
-    args = dict(absmax=quant_state.absmax, code=quant_state.code, pairs=nf4_pair_table(quant_state.code),
-                code_values=tuple(float(v) for v in quant_state.code.reshape(-1).tolist()),
-                shape=tuple(quant_state.shape),
+    args = dict(absmax=quant_state.absmax, code=quant_state.code, shape=tuple(quant_state.shape),
                 blocksize=int(quant_state.blocksize))
     if quant_state.nested:
         args.update(nested_absmax=quant_state.state2.absmax, nested_code=quant_state.state2.code,
