@@ -80,25 +80,25 @@ def lora_layer(n: int, k: int, rank: int, device: str):
     return model.base_model.model.proj
 
 
-def _ours_call(layer):
-    """nf4_lora_linear's arguments for `layer`, taken once (what an integration keeps per layer)."""
+def _layer_args(layer):
+    """(packed weight, quantization and LoRA arguments, bias) of `layer`, taken once (what an integration keeps)."""
     base = layer.get_base_layer()
     kwargs = quant_state_args(base.weight.quant_state)
     kwargs.update(lora_a=layer.lora_A["default"].weight, lora_b=layer.lora_B["default"].weight,
-                  scaling=float(layer.scaling["default"]), bias=base.bias)
-    packed = base.weight.data
-    return lambda x: nf4_lora_linear(x, packed, **kwargs)
+                  scaling=float(layer.scaling["default"]))
+    return base.weight.data, kwargs, base.bias
+
+
+def _ours_call(layer):
+    packed, kwargs, bias = _layer_args(layer)
+    return lambda x: nf4_lora_linear(x, packed, **kwargs, bias=bias)
 
 
 def _dequantize_call(layer):
     """The other decode of `layer`: `nf4_dequantize` (the weight with its LoRA delta merged) + one GEMM, what
     `adapters.FOUR_BIT_DEQUANTIZE` runs."""
-    base = layer.get_base_layer()
-    kwargs = quant_state_args(base.weight.quant_state)
-    kwargs.update(lora_a=layer.lora_A["default"].weight, lora_b=layer.lora_B["default"].weight,
-                  scaling=float(layer.scaling["default"]))
-    packed = base.weight.data
-    return lambda x: F.linear(x, nf4_dequantize(packed, **kwargs, dtype=x.dtype), base.bias)
+    packed, kwargs, bias = _layer_args(layer)
+    return lambda x: F.linear(x, nf4_dequantize(packed, **kwargs, dtype=x.dtype), bias)
 
 
 def floor_bytes(m: int, n: int, k: int, rank: int) -> int:
@@ -188,17 +188,14 @@ def main(argv=None):
             with torch.no_grad():
                 want = layers[0](x).float()
 
-                def check(what):
-                    got = ours_calls[0](x).float()
+                def check(what, call=ours_calls[0]):
+                    got = call(x).float()
                     err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
                     assert err < 3e-2, f"{what}: fastgrpo and bitsandbytes + PEFT differ by {err:.3g} (relative)"
                     return err
 
                 err = check(f"{name} rows {m}")
-                deq = dequantize_calls[0](x).float()
-                deq_err = (deq - want).abs().max().item() / max(1.0, want.abs().max().item())
-                assert deq_err < 3e-2, (f"{name} rows {m}: nf4_dequantize + GEMM and bitsandbytes + PEFT differ by "
-                                        f"{deq_err:.3g}")
+                check(f"{name} rows {m}, nf4_dequantize + GEMM", dequantize_calls[0])
 
                 def ours():
                     for call in ours_calls:

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, next_power_of_2, use_triton
-from fastgrpo.kernels.nf4_lora_linear import MAX_RANK, _dequantize
+from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, next_power_of_2
+from fastgrpo.kernels.nf4_lora_linear import _block_scale, _dequantize, _step_loads, checked_quantization, \
+    kernel_obstacle
 
 _BLOCK_N = 64
 _NUM_WARPS = 4
@@ -42,14 +43,14 @@ def _nf4_dequantize_kernel(
     j = tl.arange(0, BK // 2)
     n_ok = rn < N
     rows = rn.to(tl.int64)
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0)
-    block = rows * (K // BLOCKSIZE) + k0 // BLOCKSIZE
-    stat = tl.load(absmax_ptr + block, mask=n_ok, other=0)
+    packed, stat, nested = _step_loads(w_ptr + rows[:, None] * (K // 2), absmax_ptr, absmax2_ptr,
+                                       rows * (K // BLOCKSIZE), j, n_ok, k0, K, BLOCKSIZE, NESTED_BLOCKSIZE, NESTED,
+                                       True)
     if NESTED:
-        nested = tl.load(absmax2_ptr + block // NESTED_BLOCKSIZE, mask=n_ok, other=0.0)
-        scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + tl.load(offset_ptr).to(tl.float32)
+        offset = tl.load(offset_ptr).to(tl.float32)
     else:
-        scale = stat.to(tl.float32)
+        offset = 0.0  # (not read: `_block_scale` takes it when NESTED)
+    scale = _block_scale(stat, nested, code2_ptr, offset, NESTED)
     w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
     w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
     if LORA:
@@ -113,8 +114,7 @@ def _nf4_dequantize_op(packed: torch.Tensor, absmax: torch.Tensor, code: torch.T
                        dtype: torch.dtype) -> torch.Tensor:
     args = (packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, n, k, lora_a,
             lora_b, scaling, dtype)
-    rank = 0 if lora_a is None else lora_a.shape[0]
-    if use_triton(packed) and k % blocksize == 0 and rank <= MAX_RANK:
+    if kernel_obstacle(packed, blocksize, k, 0 if lora_a is None else lora_a.shape[0]) is None:
         return _triton_nf4_dequantize(*args)
     return reference_nf4_dequantize(*args)
 
@@ -137,20 +137,9 @@ def nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tenso
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"fastgrpo::nf4_dequantize writes float32, float16 or bfloat16, not {dtype}")
     n, k = (int(s) for s in shape)
-    flat = packed.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    if flat.numel() != (n * k + 1) // 2 or absmax.numel() != cdiv(n * k, blocksize) or code.numel() != 16:
-        raise ValueError(f"{flat.numel()} packed bytes, {absmax.numel()} block scales and {code.numel()} codes do not "
-                         f"describe a ({n}, {k}) weight of blocksize {blocksize}: pass quant_state_args(state)")
-    if (lora_a is None) != (lora_b is None):
-        raise ValueError("pass both lora_a and lora_b, or neither")
-    if lora_a is not None and (lora_a.shape[1] != k or lora_b.shape != (n, lora_a.shape[0])):
-        raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)} do not fit ({n}, {k})")
+    flat, absmax, code, nested_absmax, nested_code, offset = checked_quantization(
+        packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (lora_a, lora_b)):
         raise RuntimeError("fastgrpo nf4_dequantize has no backward (it samples): call it under torch.no_grad()")
-    return _nf4_dequantize_op(flat, absmax.reshape(-1), code.reshape(-1).float(),
-                              None if nested_absmax is None else nested_absmax.reshape(-1).float(),
-                              None if nested_code is None else nested_code.reshape(-1).float(),
-                              None if offset is None else offset.reshape(()), int(blocksize), int(nested_blocksize),
-                              n, k, lora_a, lora_b, float(scaling), dtype)
+    return _nf4_dequantize_op(flat, absmax, code, nested_absmax, nested_code, offset, int(blocksize),
+                              int(nested_blocksize), n, k, lora_a, lora_b, float(scaling), dtype)

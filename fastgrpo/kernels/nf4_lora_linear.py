@@ -111,6 +111,15 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
 
 
 @triton.jit
+def _block_scale(stat, nested, code2_ptr, offset, NESTED: tl.constexpr):
+    """The fp32 scale of each row's block from `_step_loads`' statistics (a double-quantized one dequantized as
+    bitsandbytes does; `offset` is only read when NESTED)."""
+    if NESTED:
+        return tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
+    return stat.to(tl.float32)
+
+
+@triton.jit
 def _lookup(table_ptr, index):
     """table_ptr[index] (fp32; a 16-entry table that stays in L1) as an elementwise op: the result keeps the index's
     register layout, where `tl.load` of computed addresses gets a layout of its own (and a shuffle through shared
@@ -166,6 +175,8 @@ def _nf4_lora_linear_kernel(
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
         offset = tl.load(offset_ptr).to(tl.float32)
+    else:
+        offset = 0.0  # (not read: `_block_scale` takes it when NESTED)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
@@ -191,10 +202,7 @@ def _nf4_lora_linear_kernel(
         p1, s1, t1 = p2, s2, t2
         p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
                                  BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, not LUT)
-        if NESTED:
-            scale = tl.load(code2_ptr + stat.to(tl.int32)) * nested + offset
-        else:
-            scale = stat.to(tl.float32)
+        scale = _block_scale(stat, nested, code2_ptr, offset, NESTED)
         if LUT:
             # The step's bytes loaded in the loop (Triton's pipeline copies them ahead: a load carried across
             # iterations would not be moved into the dot operand's layout), looked up as they lie there.
@@ -217,14 +225,15 @@ def _nf4_lora_linear_kernel(
             else:
                 w_even = tl.load(pairs_ptr + 2 * pair)
                 w_odd = tl.load(pairs_ptr + 2 * pair + 1)
+        elif EVEN_ODD and NATIVE:
+            w_even = _lookup(code_ptr, (packed >> 4).to(tl.int32))
+            w_odd = _lookup(code_ptr, (packed & 0xF).to(tl.int32))
+        else:
+            w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
+            w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+        if not LUT:  # the weight scaled in fp32, then rounded to x's dtype (below), as bitsandbytes does
             w_even = w_even * scale[:, None]
             w_odd = w_odd * scale[:, None]
-        elif EVEN_ODD and NATIVE:
-            w_even = _lookup(code_ptr, (packed >> 4).to(tl.int32)) * scale[:, None]
-            w_odd = _lookup(code_ptr, (packed & 0xF).to(tl.int32)) * scale[:, None]
-        else:
-            w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32)) * scale[:, None]
-            w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * scale[:, None]
         if NATIVE:
             if LORA:
                 a = a.to(x_ptr.dtype.element_ty)
@@ -546,30 +555,17 @@ def _state_args(quant_state) -> dict:
     return args
 
 
-def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, *,
-                    shape: tuple[int, int], blocksize: int = 64, nested_absmax: torch.Tensor | None = None,
-                    nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                    nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
-                    lora_b: torch.Tensor | None = None, scaling: float = 1.0,
-                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
-                    code_values: tuple[float, ...] | None = None) -> torch.Tensor:
-    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. `pairs`:
-    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None; `code_values`: code's
-    16 values on the host (the same caveat), or None. For sampling only: no
-    autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
-    tensors = (x, lora_a, lora_b, bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"fastgrpo::nf4_lora_linear takes float32, float16 or bfloat16 x, got {x.dtype}")
-    n, k = (int(s) for s in shape)
-    if x.shape[-1] != k:
-        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
+def checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset,
+                         nested_blocksize, lora_a, lora_b):
+    """The 4-bit weight's tensors and the LoRA factors checked against an (n, k) weight (a clear error naming the
+    fix otherwise), then as the ops take them: (packed bytes flat as uint8, absmax, code as fp32, nested_absmax as
+    fp32, nested_code as fp32, offset 0-d), the nested ones None when not double-quantized."""
     flat = packed.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)  # another quant_storage dtype: the same bytes
     if flat.numel() != (n * k + 1) // 2:
-        raise ValueError(f"{flat.numel()} packed bytes for a ({n}, {k}) weight: expected {(n * k + 1) // 2}")
+        raise ValueError(f"{flat.numel()} packed bytes for a ({n}, {k}) weight: expected {(n * k + 1) // 2} "
+                         f"(quant_state_args(weight.quant_state) gives the weight's shape and statistics)")
     if blocksize <= 0 or blocksize & (blocksize - 1) or blocksize < 32:
         raise ValueError(f"blocksize {blocksize}: a power of 2 of at least 32 (bitsandbytes' 4-bit blocksizes)")
     if absmax.numel() != cdiv(n * k, blocksize) or code.numel() != 16:
@@ -592,6 +588,32 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         if lora_a.shape != (r, k) or lora_b.shape != (n, r):
             raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)}: expected ({r}, {k}) "
                              f"and ({n}, {r})")
+    return (flat, absmax.reshape(-1), code.reshape(-1).float(),
+            None if nested_absmax is None else nested_absmax.reshape(-1).float(),
+            None if nested_code is None else nested_code.reshape(-1).float(), offset)
+
+
+def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, *,
+                    shape: tuple[int, int], blocksize: int = 64, nested_absmax: torch.Tensor | None = None,
+                    nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+                    nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
+                    lora_b: torch.Tensor | None = None, scaling: float = 1.0,
+                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+                    code_values: tuple[float, ...] | None = None) -> torch.Tensor:
+    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. `pairs`:
+    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None; `code_values`: code's
+    16 values on the host (the same caveat), or None. For sampling only: no
+    autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
+    tensors = (x, lora_a, lora_b, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fastgrpo::nf4_lora_linear takes float32, float16 or bfloat16 x, got {x.dtype}")
+    n, k = (int(s) for s in shape)
+    if x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
+    flat, absmax, code, nested_absmax, nested_code, offset = checked_quantization(
+        packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
     if pairs is not None and (pairs.shape != (256, 2) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
@@ -600,9 +622,7 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                          f"a contiguous (256, 2) float32 tensor on {code.device}")
     if code_values is not None and len(code_values) != 16:
         raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
-    return _nf4_lora_linear_op(x, flat, absmax.reshape(-1), code.reshape(-1).float(),
-                               None if nested_absmax is None else nested_absmax.reshape(-1).float(),
-                               None if nested_code is None else nested_code.reshape(-1).float(), offset,
+    return _nf4_lora_linear_op(x, flat, absmax, code, nested_absmax, nested_code, offset,
                                int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
                                pairs, None if code_values is None else [float(v) for v in code_values])
 
