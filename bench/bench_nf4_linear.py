@@ -16,15 +16,13 @@ reused would be served from the 50-60 MB L2, not HBM.
     python bench/bench_nf4_linear.py                   # GPU: qwen2.5-1.5b, rows 8 16 64
     python bench/bench_nf4_linear.py --rows 8 --rank 64
     python bench/bench_nf4_linear.py --sweep           # GPU: the kernel's launch settings at each projection and
-                                                       # row count (columns a tile, warps, programs per SM, the
-                                                       # weight's even/odd columns in two products or joined)
-    python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form (even/odd products
-                                                       # with code pairs, single codes or the register table;
-                                                       # joined), each checked against bitsandbytes + PEFT first
+                                                       # row count (columns a tile, warps, programs per SM) in
+                                                       # both forms (register table, joined)
+    python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
+    python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
-Each projection is also timed as `nf4_dequantize` (the weight with its LoRA delta merged) + one GEMM, the rollout's
-other 4-bit decode (`adapters.FOUR_BIT_DEQUANTIZE`). Rows are appended to bench/results/bench_nf4_linear.jsonl (not
-with --tiny).
+Every swept setting's output is checked against bitsandbytes + PEFT before it is timed. Rows are appended to
+bench/results/bench_nf4_linear.jsonl (not with --tiny).
 """
 from __future__ import annotations
 
@@ -32,13 +30,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels import nf4_lora_linear as nf4_module  # noqa: E402
-from fastgrpo.kernels.nf4_dequantize import nf4_dequantize  # noqa: E402
 from fastgrpo.kernels.nf4_lora_linear import launch_config, nf4_lora_linear, quant_state_args  # noqa: E402
 
 BLOCKSIZE = 64
@@ -94,13 +90,6 @@ def _ours_call(layer):
     return lambda x: nf4_lora_linear(x, packed, **kwargs, bias=bias)
 
 
-def _dequantize_call(layer):
-    """The other decode of `layer`: `nf4_dequantize` (the weight with its LoRA delta merged) + one GEMM, what
-    `adapters.FOUR_BIT_DEQUANTIZE` runs."""
-    packed, kwargs, bias = _layer_args(layer)
-    return lambda x: F.linear(x, nf4_dequantize(packed, **kwargs, dtype=x.dtype), bias)
-
-
 def floor_bytes(m: int, n: int, k: int, rank: int) -> int:
     blocks = n * k // BLOCKSIZE
     return n * k // 2 + blocks + 4 * -(-blocks // 256) + 2 * m * k + 4 * rank * (n + k) + 2 * m * n
@@ -112,15 +101,11 @@ def l2_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
-# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, with the
-# weight's even and odd columns in two products (`_EVEN_ODD`) or joined into one, a byte's codes in one lookup of
-# the pair table (`_PAIRS`) or one a nibble, or looked up in registers (`_LUT`).
-FORMS = [dict(even_odd=True, pairs=True, lut=False), dict(even_odd=True, pairs=False, lut=False),
-         dict(even_odd=False, pairs=False, lut=False), dict(even_odd=True, pairs=False, lut=True)]
-SWEEP = [dict(block_n=bn, warps=w, stages=3, per_sm=ps, **form)
-         for form in FORMS
-         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
-         for ps in (2, 4, 8)]
+# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, in
+# either form: the register table's even/odd products (lut) or the weight's columns joined.
+FORMS = {"lut": True, "joined": False}
+LAUNCHES = [dict(block_n=bn, warps=w, stages=3, per_sm=ps) for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
+            for ps in (2, 4, 8)]
 
 
 def sweep_settings(config: dict):
@@ -128,23 +113,26 @@ def sweep_settings(config: dict):
     return [(nf4_module, "_BLOCK_N", config["block_n"]), (nf4_module, "_FEW_ROWS_BLOCK_N", config["block_n"]),
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
-            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_EVEN_ODD", config["even_odd"]),
-            (nf4_module, "_PAIRS", config["pairs"]), (nf4_module, "_LUT", config["lut"])]
+            (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_FEW_ROWS_LUT", config["lut"]),
+            (nf4_module, "_LUT", config["lut"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + ("" if config["even_odd"] else " joined") + (" pairs" if config["pairs"] else "")
-            + (" lut" if config["lut"] else ""))
+            + (" lut" if config["lut"] else " joined"))
 
 
 def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
-    """GPU time per call of each SWEEP setting (the rotation `ours`), fastest first, each setting's output checked
-    first (`check()`); one row for the results."""
-    block_n, per_sm = nf4_module.tile_settings(m)
-    configs = SWEEP if args.sweep == "all" else [
-        dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm, **form)
-        for form in FORMS]
+    """GPU time per call of each swept setting (the rotation `ours`), fastest first, each setting's output checked
+    first (`check()`); one row for the results. `args.sweep`: all (LAUNCHES in both forms), a form's name (LAUNCHES in
+    it), or forms (the launch as it is, in each form)."""
+    block_n, per_sm, _ = nf4_module.tile_settings(m)
+    if args.sweep == "forms":
+        configs = [dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
+                        lut=lut) for lut in FORMS.values()]
+    else:
+        forms = FORMS.values() if args.sweep == "all" else [FORMS[args.sweep]]
+        configs = [dict(launch, lut=lut) for lut in forms for launch in LAUNCHES]
     for config in configs:
         with harness.patched(*sweep_settings(config)):
             check(f"{name} rows {m} at {_name(config)}")
@@ -164,9 +152,9 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--copies", type=int, default=8, help="distinct layers a timed call rotates through, at least")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny projections, two copies, no rows kept")
-    p.add_argument("--sweep", nargs="?", const="all", choices=["all", "forms"],
-                   help="time the kernel's launch settings (GPU): all of SWEEP, or the launch as it is with the "
-                   "weight's columns in two products and joined (forms)")
+    p.add_argument("--sweep", nargs="?", const="all", choices=["all", "forms", *FORMS],
+                   help="time the kernel's launch settings (GPU): in both forms (all), in one (lut, joined), or the "
+                   "launch as it is in each form (forms)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -182,20 +170,18 @@ def main(argv=None):
         copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
         layers = [lora_layer(n, k, args.rank, device) for _ in range(copies)]
         ours_calls = [_ours_call(layer) for layer in layers]
-        dequantize_calls = [_dequantize_call(layer) for layer in layers]
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 want = layers[0](x).float()
 
-                def check(what, call=ours_calls[0]):
-                    got = call(x).float()
+                def check(what):
+                    got = ours_calls[0](x).float()
                     err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
                     assert err < 3e-2, f"{what}: fastgrpo and bitsandbytes + PEFT differ by {err:.3g} (relative)"
                     return err
 
                 err = check(f"{name} rows {m}")
-                check(f"{name} rows {m}, nf4_dequantize + GEMM", dequantize_calls[0])
 
                 def ours():
                     for call in ours_calls:
@@ -205,10 +191,6 @@ def main(argv=None):
                     for layer in layers:
                         layer(x)
 
-                def dequantized():
-                    for call in dequantize_calls:
-                        call(x)
-
                 if args.sweep and cuda:
                     row = sweep(ours, check, name, n, k, m, copies, args)
                     harness.emit(row)
@@ -216,11 +198,10 @@ def main(argv=None):
                     continue
                 ours_us = harness.graph_ms(ours) * 1e3 / copies
                 bnb_us = harness.graph_ms(bnb_peft) * 1e3 / copies
-                dequantize_us = harness.graph_ms(dequantized) * 1e3 / copies
             floor_us = floor_bytes(m, n, k, args.rank) / bandwidth * 1e6
             config = launch_config(m, n, k, BLOCKSIZE, x.device)
             row = dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies,
-                       fastgrpo_us=ours_us, bnb_peft_us=bnb_us, dequantize_gemm_us=dequantize_us, floor_us=floor_us,
+                       fastgrpo_us=ours_us, bnb_peft_us=bnb_us, floor_us=floor_us,
                        share_of_floor=floor_us / ours_us, speedup=bnb_us / ours_us, splits=config["splits"],
                        max_rel_err=err)
             harness.emit(row)
@@ -229,11 +210,10 @@ def main(argv=None):
           f"{BLOCKSIZE} double-quantized, fp32 LoRA r={args.rank}; CUDA-graph replay per call; floor: bytes at "
           f"{harness.COPY_TBPS} TB/s\n")
     print(harness.md_header("projection", "N x K", "rows", "splits", "copies", "fastgrpo us", "bnb+peft us",
-                            "dequantize + GEMM us", "floor us", "share of floor", "bnb+peft / fastgrpo"))
+                            "floor us", "share of floor", "bnb+peft / fastgrpo"))
     for r in (r for r in rows_out if not r.get("sweep")):
         print(harness.md_row(r["projection"], f"{r['n']}x{r['k']}", r["rows"], r["splits"], r["copies"],
-                             f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['dequantize_gemm_us']:.1f}",
-                             f"{r['floor_us']:.2f}",
+                             f"{r['fastgrpo_us']:.1f}", f"{r['bnb_peft_us']:.1f}", f"{r['floor_us']:.2f}",
                              f"{100 * r['share_of_floor']:.0f} %", f"{r['speedup']:.2f}x"))
     if not args.tiny:
         harness.record("bench_nf4_linear", rows_out, argv)

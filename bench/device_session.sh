@@ -120,8 +120,8 @@ run_step() {
     # and its decode attention kernel against SDPA over the whole cache.
     generation) step generation ${GENERATION_CAP:-240} "$OURS" python3 bench/bench_generation.py ${GENERATION_ARGS:-} ;;
     decode_attention) step decode_attention 120 "$OURS" python3 bench/bench_decode_attention.py ${DECODE_ATTENTION_ARGS:-} ;;
-    # The NF4 decode linear's forms (even/odd products with code pairs or single codes, joined) at the launch as it
-    # is, 8 and 64 rows (NF4_ARGS replaces the arguments, e.g. "--rows 8 --sweep" for every launch setting); its
+    # The NF4 decode linear's forms (register table, joined) at the launch as it is, 8 and 64 rows (NF4_ARGS replaces
+    # the arguments, e.g. "--rows 8 --sweep lut" for every launch setting of one form); its
     # outputs are checked against bitsandbytes + PEFT before the timing.
     nf4_forms) step nf4_forms ${NF4_CAP:-90} "$OURS" python3 bench/bench_nf4_linear.py ${NF4_ARGS:---rows 8 64 --sweep forms} ;;
     # Rollouts of a hybrid decoder (gated DeltaNet + attention: bench/_harness.py's qwen3.5-text-defaults), and

@@ -157,12 +157,12 @@ def test_settings_for_a_process_are_set_and_named_and_bad_ones_refused(monkeypat
     from fastgrpo.kernels import nf4_lora_linear as nf4
 
     monkeypatch.setattr(nf4, "_BLOCK_N", nf4._BLOCK_N)  # put back after the test
-    monkeypatch.setattr(nf4, "_EVEN_ODD", nf4._EVEN_ODD)
+    monkeypatch.setattr(nf4, "_LUT", nf4._LUT)
     applied = harness.apply_settings(["fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64",
-                                      "fastgrpo.kernels.nf4_lora_linear._EVEN_ODD=True"])
+                                      "fastgrpo.kernels.nf4_lora_linear._LUT=True"])
     assert applied == {"fastgrpo.kernels.nf4_lora_linear._BLOCK_N": 64,
-                       "fastgrpo.kernels.nf4_lora_linear._EVEN_ODD": True}
-    assert nf4._BLOCK_N == 64 and nf4._EVEN_ODD is True
+                       "fastgrpo.kernels.nf4_lora_linear._LUT": True}
+    assert nf4._BLOCK_N == 64 and nf4._LUT is True
     for bad, words in (("_BLOCK_N=64", "MODULE.ATTRIBUTE=VALUE"), ("fastgrpo.kernels.nf4_lora_linear._BLOCK_N", "e.g."),
                        ("fastgrpo.kernels.nf4_lora_linear._NO_SUCH=1", "no attribute")):
         with pytest.raises(SystemExit, match=words):

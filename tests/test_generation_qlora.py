@@ -45,17 +45,12 @@ def _kernel_modules(model):
 QLORA_LAYERS = 14  # 7 projections x 2 layers
 
 
-@pytest.mark.parametrize("dequantize", [False, True])
-def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights(dequantize, monkeypatch):
+def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
     """Mode "float": every LoRA linear over a 4-bit base decodes through the kernel (the greedy tokens of the
     unswapped model), reading the live packed weight and adapters: no copy, and an optimizer-style update of the
     adapters is seen by the next call. The LoRA layers are back after each call. (LoRA on four projections a layer,
-    q and k with a bias; the compiled test below has it on all seven.) The same through `nf4_dequantize` + a GEMM
-    (`FOUR_BIT_DEQUANTIZE`)."""
-    from fastgrpo.integrations.generation import adapters
+    q and k with a bias; the compiled test below has it on all seven.)"""
     from fastgrpo.kernels._dispatch import triton_on_cpu
-
-    monkeypatch.setattr(adapters, "FOUR_BIT_DEQUANTIZE", dequantize)
 
     torch.manual_seed(1)
     model = peft.get_peft_model(qlora_lm(lora=False), peft.LoraConfig(
@@ -82,14 +77,9 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights(dequa
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
 
 
-@pytest.mark.parametrize("dequantize", [False, True])
-def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(dequantize, monkeypatch):
-    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer (either 4-bit
-    path)."""
-    from fastgrpo.integrations.generation import adapters
+def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
+    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer."""
     from fastgrpo.kernels._dispatch import triton_on_cpu
-
-    monkeypatch.setattr(adapters, "FOUR_BIT_DEQUANTIZE", dequantize)
 
     torch._dynamo.reset()
     model = qlora_lm()
@@ -191,15 +181,11 @@ def test_qlora_kernel_modules_are_put_back_after_an_exception():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequantize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, dequantize, monkeypatch):
+def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype):
     """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps. fp32: the greedy tokens
     of PEFT's forward; bf16: within the engine's own check against PEFT's forward (no fallback warning). Calls that
-    replay every step give the same bits (the kernel's split-K sum has a fixed order). Either 4-bit path."""
-    from fastgrpo.integrations.generation import adapters
-
-    monkeypatch.setattr(adapters, "FOUR_BIT_DEQUANTIZE", dequantize)
+    replay every step give the same bits (the kernel's split-K sum has a fixed order)."""
     torch._dynamo.reset()
     model = qlora_lm(dtype=dtype, device="cuda")
     batch = [p for p in prompts() for _ in range(4)]

@@ -99,13 +99,13 @@ def _op_args(inputs):
             inputs.get("nested_absmax"), inputs.get("nested_code"),
             None if inputs.get("offset") is None else inputs["offset"].reshape(()), inputs["blocksize"],
             inputs.get("nested_blocksize", 256), n, inputs.get("lora_a"), inputs.get("lora_b"), inputs["scaling"],
-            inputs["bias"], inputs.get("pairs"), inputs.get("code_values")), (n, k)
+            inputs["bias"], inputs.get("code_values")), (n, k)
 
 
 def expected(inputs):
     """The float64 reference: the weight rounded to x's dtype as the kernel takes it, the rest in float64."""
     args, shape = _op_args(inputs)
-    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _, _ = args
+    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _ = args
     return reference_nf4_lora_linear(x, packed, absmax, code, nabs, ncode, offset, bs, nbs, shape, a, b, scaling, bias,
                                      compute_dtype=torch.float64)
 
@@ -123,25 +123,20 @@ cases = st.tuples(
     st.booleans(), st.booleans(), st.sampled_from([0, 1, 8, 16]),
     st.sampled_from([torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]),
     st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.integers(1, 4),
-    st.sampled_from(["joined", "even_odd", "pairs", "lut"]),
+    st.booleans(),
 )
-# The kernel's forms (the module's _EVEN_ODD, _PAIRS and _LUT settings).
-FORMS = {"joined": dict(EVEN_ODD=False, PAIRS=False, LUT=False),
-         "even_odd": dict(EVEN_ODD=True, PAIRS=False, LUT=False),
-         "pairs": dict(EVEN_ODD=True, PAIRS=True, LUT=False),
-         "lut": dict(EVEN_ODD=True, PAIRS=False, LUT=True)}
 
 
 @settings(max_examples=100)
 @given(cases)
 def test_triton_kernel_matches_the_float64_reference(params):
-    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, form = params
+    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, lut = params
     k = blocks * blocksize
     inputs = _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strided)
     args, _ = _op_args(inputs)
     config = launch_config(m, n, k, blocksize, torch.device("cpu"))
     per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
-    config.update(k_per_split=per_split, splits=cdiv(k, per_split), **FORMS[form])
+    config.update(k_per_split=per_split, splits=cdiv(k, per_split), LUT=lut)
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
@@ -232,15 +227,14 @@ def split_order(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_split_k_sum_does_not_depend_on_arrival_order(split_order, form):
+@pytest.mark.parametrize("lut", [False, True])
+def test_split_k_sum_does_not_depend_on_arrival_order(split_order, lut):
     """The tile's last program sums every split's partial in split order: the same bits whichever program arrives
     last (on a GPU: run to run, and eager against a CUDA-graph replay), and repeated calls are bit-equal; with the
-    weight's columns joined or in even/odd products."""
+    weight's columns joined or in the register table's even/odd products."""
     inputs = _case(7, 5, 40, 512, 64, True, True, 8, torch.float32, torch.float32, False)
     args, _ = _op_args(inputs)
-    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128,
-                  **FORMS[form])
+    config = dict(launch_config(5, 40, 512, 64, torch.device("cpu")), splits=4, k_per_split=128, LUT=lut)
     outs = []
     with triton_on_cpu():
         for order in (None, lambda s, n: n - 1 - s, lambda s, n: (s + 1) % n, None):
@@ -442,12 +436,13 @@ def _bnb_lora(x, packed, state, a, b, scaling, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("lut", [False, True])
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("n,k", [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)])
-def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, form, monkeypatch):
-    for name, value in FORMS[form].items():
-        monkeypatch.setattr(nf4_module, f"_{name}", value)
+def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, lut, monkeypatch):
+    """Either form at either row band's launch, against bitsandbytes + PEFT, eager and replayed."""
+    monkeypatch.setattr(nf4_module, "_FEW_ROWS_LUT", lut)
+    monkeypatch.setattr(nf4_module, "_LUT", lut)
     x, packed, state, a, b, bias = _gpu_case(m, n, k, bias=n == 256)
     kwargs = dict(**quant_state_args(state), lora_a=a, lora_b=b, scaling=2.0, bias=bias)
     with torch.no_grad():

@@ -37,7 +37,6 @@ from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_into, lora_merge_plan, lora_unmerge_
-from fastgrpo.kernels.nf4_dequantize import nf4_dequantize
 from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear
 from fastgrpo.kernels.race_sample import race_sample
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
@@ -244,7 +243,7 @@ def _run_every_op():
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; the weight's
-    # columns joined or in even/odd products with the 16 codes, the 256 code pairs, or codes looked up in registers.
+    # weight's columns joined (codes gathered from the 16 fp32 ones) or in even/odd products of register-table codes.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),
@@ -253,32 +252,16 @@ def _run_every_op():
             (3, 256, 256, torch.float32, 64, False, 8, torch.float32, True)):
         blocks = n * k // blocksize
         quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32), code=torch.zeros(16),
-                     pairs=torch.zeros(256, 2), code_values=tuple(range(16)), shape=(n, k), blocksize=blocksize)
+                     code_values=tuple(range(16)), shape=(n, k), blocksize=blocksize)
         if nested:
             quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
                          offset=torch.tensor(0.0))
         lora = dict(lora_a=torch.zeros(rank, k, dtype=lora_dtype), lora_b=torch.zeros(n, rank, dtype=lora_dtype),
                     scaling=2.0) if rank else {}
-        for even_odd, pairs, lut in ((False, False, False), (True, False, False), (True, True, False),
-                                     (True, False, True)):
-            with (mock.patch.object(nf4_module, "_EVEN_ODD", even_odd), mock.patch.object(nf4_module, "_PAIRS", pairs),
-                  mock.patch.object(nf4_module, "_LUT", lut)):
+        for lut in (False, True):
+            with mock.patch.object(nf4_module, "_FEW_ROWS_LUT", lut), mock.patch.object(nf4_module, "_LUT", lut):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
-
-    # The 4-bit weight dequantized with its LoRA delta merged (the decode's dequantize-then-GEMM path): nested and plain
-    # block scales, blocksizes 64 and 128, rank 16 and none, bf16 / fp16 / fp32 out.
-    for n, k, blocksize, nested, rank, dtype in ((8960, 1536, 64, True, 16, torch.bfloat16),
-                                                 (256, 1536, 128, False, 0, torch.float16),
-                                                 (300, 256, 64, True, 8, torch.float32)):
-        blocks = n * k // blocksize
-        quant = dict(absmax=torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32), code=torch.zeros(16),
-                     shape=(n, k), blocksize=blocksize)
-        if nested:
-            quant.update(nested_absmax=torch.zeros(-(-blocks // 256)), nested_code=torch.zeros(256),
-                         offset=torch.tensor(0.0))
-        lora = dict(lora_a=torch.zeros(rank, k), lora_b=torch.zeros(n, rank), scaling=2.0) if rank else {}
-        nf4_dequantize(torch.zeros(n * k // 2, 1, dtype=torch.uint8), **quant, **lora, dtype=dtype)
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.
@@ -368,7 +351,7 @@ def _run_ops_at_model_dims():
                 blocks = n * k_in // 64
                 nf4_lora_linear(torch.zeros(rows, k_in, **bf16), torch.zeros(n * k_in // 2, 1, dtype=torch.uint8),
                                 absmax=torch.zeros(blocks, dtype=torch.uint8), code=torch.zeros(16),
-                                pairs=torch.zeros(256, 2), shape=(n, k_in),
+                                code_values=tuple(range(16)), shape=(n, k_in),
                                 blocksize=64, nested_absmax=torch.zeros(-(-blocks // 256)),
                                 nested_code=torch.zeros(256), offset=torch.tensor(0.0),
                                 lora_a=torch.zeros(16, k_in), lora_b=torch.zeros(n, 16), scaling=2.0)

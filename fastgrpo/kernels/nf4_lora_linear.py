@@ -1,8 +1,7 @@
 """A QLoRA linear for decode steps: the 4-bit (NF4) base weight read packed, the LoRA product added in the same launch.
 
 `nf4_lora_linear(x, packed, absmax, code, shape=(N, K), blocksize=64, nested_absmax=, nested_code=, offset=,
-nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, pairs=None,
-code_values=None)`:
+nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, code_values=None)`:
 
     out[M, N] = x[M, K] @ W[N, K]^T + scaling * (x @ lora_a^T)[M, r] @ lora_b^T[r, N] (+ bias[N])
 
@@ -22,15 +21,19 @@ W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / 
   256-entry dynamic map `state2.code`, nested_blocksize `state2.blocksize` = 256, offset a 0-d fp32 tensor).
 
 Triton path: grid (N tiles, K splits, M tiles). A program walks its K range in steps of BK <= blocksize columns, so a
-step of a weight row has one block scale (dequantized in the kernel, nested or not): it looks each of the step's [BN,
-BK/2] packed bytes up in the 256-entry table of code pairs (`pairs`, `_PAIRS`: one 8-byte gather a byte from 2 KB
-that stay in L1), or each nibble in the 16 codes, and scales them, the weight cast to x's dtype as bitsandbytes casts
-it. The even columns' [BN, BK/2] values and the odd ones' then multiply x's even and odd columns in two `tl.dot`s
-(`_EVEN_ODD`; M padded to 16: tensor cores at every M), the values staying in the layout the bytes were loaded in; or
-they are set side by side (`tl.join`) and multiply x's [BM, BK] tile in one. A third form (`_LUT`, `code_values` on
-the host) looks the codes up in registers from a table held in the instructions and scales the product instead of the
-weight. A step's packed bytes are loaded two steps ahead, its x and A tiles one step ahead, so that the gathers and
-the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same x tiles;
+step of a weight row has one block scale (dequantized in the kernel, nested or not). Two forms, chosen by the row
+count (`tile_settings`):
+- register table (`_FEW_ROWS_LUT`, up to 16 rows; `code_values`, the 16 codes on the host, are needed): the step's
+  [BK/2, BN] bytes are loaded straight into the dot operand's layout and each nibble's code is looked up in registers
+  from a table held in the instructions (`lut_asm`); the even columns' codes and the odd ones' multiply x's even and
+  odd columns in two `tl.dot`s (M padded to 16: tensor cores at every M), and each row's block scale multiplies the
+  fp32 product: the weight is rounded to x's dtype before its scale instead of after (bitsandbytes rounds code *
+  scale), the same maths.
+- joined (more rows, or no `code_values`): each nibble's code gathered from the 16 fp32 codes, scaled, cast to x's
+  dtype as bitsandbytes casts it, the even and odd columns set side by side (`tl.join`) to multiply x's [BM, BK] tile
+  in one `tl.dot` (at 64 rows the wgmma reads the weight from shared memory, so the register table saves nothing).
+The joined form loads a step's packed bytes two steps ahead (the LUT form in the step: Triton's pipeline copies them
+ahead), x and A tiles one step ahead, so that the gathers and the dots never wait on memory. Its share of x @ A^T (A's columns of its K range) rides along on the same x tiles;
 after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K parts,
 splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split, every
 program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all the
@@ -62,25 +65,11 @@ _BLOCK_N = 32
 _FEW_ROWS = 16
 _FEW_ROWS_PROGRAMS_PER_SM = 2
 _FEW_ROWS_BLOCK_N = 64
-# The weight's even and odd columns in two products, each in the layout its bytes were loaded in, the table lookups
-# elementwise (inline PTX on CUDA); else joined into one tile, whose lookups get a layout of their own and whose
-# elements go to shared memory in 2-byte stores. sm_90 builds (triton 3.6, 1.5B gate/up) of a K step: 8 rows (64
-# columns) 390 instructions against 672, 64 rows (32 columns) 308 against 366. Off until a GPU run checks and times
-# it: `pytest -m gpu tests/test_kernel_nf4_linear.py`, `python bench/bench_nf4_linear.py --rows 8 64 --sweep forms`,
-# and the QLoRA step with `--set fastgrpo.kernels.nf4_lora_linear._EVEN_ODD=True` against the same without.
-_EVEN_ODD = False
-# A byte's two weights in one 8-byte lookup of a 256-entry table of code pairs (`nf4_pair_table`, passed as `pairs`;
-# `quant_state_args` makes it) instead of two 4-byte lookups of the 16 codes: sm_90 builds (as above) of the even/odd
-# form's K step: 312 instructions against 390 at 8 rows, 260 against 308 at 64. Timed by `python
-# bench/bench_nf4_linear.py --rows 8 64 --sweep forms`. Off until a GPU run checks and times it (as _EVEN_ODD).
-_PAIRS = False
-# The codes looked up in registers from a table held in the instructions (`lut_asm`), the bytes loaded straight into
-# the dot operand's layout (no shared-memory round trip of the weight), the codes in x's dtype times x, then each row's
-# block scale on the fp32 product: the weight is rounded before its scale instead of after (bitsandbytes rounds
-# code * scale), the same maths. sm_90 builds (as above): 373 instructions a K step at 8 rows (the bytes go through
-# shared memory unpipelined, and each `prmt` table word is copied into a register), 420 at 64 rows (whose wgmma reads
-# the weight from shared memory anyway): more than the pair form's; left to the GPU (the lookups are no L1 gathers)
-# with `python bench/bench_nf4_linear.py --rows 8 64 --sweep forms`. Off until a GPU run checks and times it.
+# The register-table form up to 16 rows: at 8 rows it took 7.5 / 5.9 / 18.3 / 16.8 us at q / k,v / gate,up / down
+# against the joined form's 10.4 / 7.1 / 42.0 / 28.4, and the QLoRA whole step's rollout 2.42 s against 3.46 (one
+# H100, `NF4_ARGS="--rows 8 64 --sweep forms" bash bench/device_session.sh nf4_forms qlora_ab`); at 64 rows (32 columns,
+# 4 programs an SM) the joined form is faster at every projection (gate/up 33.2 us against 47.0).
+_FEW_ROWS_LUT = True
 _LUT = False
 _NUM_WARPS = 4
 _NUM_STAGES = 3
@@ -120,35 +109,15 @@ def _block_scale(stat, nested, code2_ptr, offset, NESTED: tl.constexpr):
 
 
 @triton.jit
-def _lookup(table_ptr, index):
-    """table_ptr[index] (fp32; a 16-entry table that stays in L1) as an elementwise op: the result keeps the index's
-    register layout, where `tl.load` of computed addresses gets a layout of its own (and a shuffle through shared
-    memory back). CUDA only (inline PTX)."""
-    base = (table_ptr + tl.zeros_like(index)).to(tl.uint64, bitcast=True)
-    return tl.inline_asm_elementwise("{ .reg .u64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }",
-                                     "=r,r,l", [index, base], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lookup_pair(pairs_ptr, index):
-    """(pairs_ptr[2 index], pairs_ptr[2 index + 1]): a byte's two codes in one 8-byte load of the 2 KB pair table,
-    elementwise as `_lookup` (CUDA only)."""
-    base = (pairs_ptr + tl.zeros_like(index)).to(tl.uint64, bitcast=True)
-    return tl.inline_asm_elementwise(
-        "{ .reg .u64 a; mad.wide.u32 a, $2, 8, $3; ld.global.nc.v2.f32 {$0, $1}, [a]; }", "=r,=r,r,l",
-        [index, base], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-
-
-@triton.jit
 def _nf4_lora_linear_kernel(
-    x_ptr, w_ptr, absmax_ptr, code_ptr, pairs_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
+    x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
     out_ptr, part_ptr, count_ptr,
     M, N, K, K_PER_SPLIT, RANK, scaling,
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
-    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, EVEN_ODD: tl.constexpr,
-    PAIRS: tl.constexpr, LUT: tl.constexpr, LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
+    NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -218,20 +187,10 @@ def _nf4_lora_linear_kernel(
             else:
                 w_even = tl.load(code_ptr + (packed_t >> 4).to(tl.int32))
                 w_odd = tl.load(code_ptr + (packed_t & 0xF).to(tl.int32))
-        elif PAIRS:
-            pair = packed.to(tl.int32)
-            if NATIVE:
-                w_even, w_odd = _lookup_pair(pairs_ptr, pair)
-            else:
-                w_even = tl.load(pairs_ptr + 2 * pair)
-                w_odd = tl.load(pairs_ptr + 2 * pair + 1)
-        elif EVEN_ODD and NATIVE:
-            w_even = _lookup(code_ptr, (packed >> 4).to(tl.int32))
-            w_odd = _lookup(code_ptr, (packed & 0xF).to(tl.int32))
         else:
             w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
             w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
-        if not LUT:  # the weight scaled in fp32, then rounded to x's dtype (below), as bitsandbytes does
+            # the weight scaled in fp32, then rounded to x's dtype (below), as bitsandbytes does
             w_even = w_even * scale[:, None]
             w_odd = w_odd * scale[:, None]
         if NATIVE:
@@ -243,6 +202,8 @@ def _nf4_lora_linear_kernel(
                 a = a.to(tl.float32)
         if LUT:
             x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
+            # x @ A^T's dots first: Triton (3.6) gives the loop's dots one MMA layout, and with these last it was
+            # theirs ([BM, r]: at 16 rows each of the 4 warps did the whole tile, 24 MMAs a step against 8)
             if LORA:
                 a_even, a_odd = tl.split(tl.reshape(a, (R_PAD, BK // 2, 2)))
                 xa = tl.dot(x_even, tl.trans(a_even), xa, input_precision=PRECISION)
@@ -251,19 +212,6 @@ def _nf4_lora_linear_kernel(
             part = tl.dot(x_even, w_even, input_precision=PRECISION)
             part = tl.dot(x_odd, w_odd, part, input_precision=PRECISION)
             acc += part * scale[None, :]
-        elif EVEN_ODD:
-            if NATIVE:
-                w_even = w_even.to(x_ptr.dtype.element_ty)
-                w_odd = w_odd.to(x_ptr.dtype.element_ty)
-            x_even, x_odd = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
-            # x @ A^T's dots first: Triton (3.6) gives the loop's dots one MMA layout, and with these last it was
-            # theirs ([BM, r]: at 16 rows each of the 4 warps did the whole tile, 24 MMAs a step against 8)
-            if LORA:
-                a_even, a_odd = tl.split(tl.reshape(a, (R_PAD, BK // 2, 2)))
-                xa = tl.dot(x_even, tl.trans(a_even), xa, input_precision=PRECISION)
-                xa = tl.dot(x_odd, tl.trans(a_odd), xa, input_precision=PRECISION)
-            acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
-            acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
         else:
             w = tl.reshape(tl.join(w_even, w_odd), (BN, BK))  # columns 2j, 2j + 1 side by side
             if NATIVE:  # (joined in fp32: joined in bf16, triton 3.6 fails to build the 64-row tile for sm_90)
@@ -315,11 +263,11 @@ def _nf4_lora_linear_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
-def tile_settings(m: int) -> tuple[int, int]:
-    """(output columns a tile, programs an SM) of a call of m rows."""
+def tile_settings(m: int) -> tuple[int, int, bool]:
+    """(output columns a tile, programs an SM, register-table form) of a call of m rows."""
     if m <= _FEW_ROWS:
-        return _FEW_ROWS_BLOCK_N, _FEW_ROWS_PROGRAMS_PER_SM
-    return _BLOCK_N, _PROGRAMS_PER_SM
+        return _FEW_ROWS_BLOCK_N, _FEW_ROWS_PROGRAMS_PER_SM, _FEW_ROWS_LUT
+    return _BLOCK_N, _PROGRAMS_PER_SM, _LUT
 
 
 def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
@@ -330,7 +278,7 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     two steps (1.5B shapes at 64 rows on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12, 8960x1536 -> 2,
     1536x8960 -> 11)."""
     bm = min(64, max(16, next_power_of_2(m)))
-    bn, per_sm = tile_settings(m)
+    bn, per_sm, lut = tile_settings(m)
     bk = min(blocksize, 128)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     want = cdiv(per_sm * multiprocessor_count(device), tiles)
@@ -338,8 +286,7 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, EVEN_ODD=_EVEN_ODD,
-                PAIRS=_PAIRS, LUT=_LUT)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, LUT=lut)
 
 
 _LUT_BODY = (
@@ -353,7 +300,7 @@ _LUT_BODY = (
 
 @functools.lru_cache(maxsize=None)
 def lut_asm(values: tuple[float, ...], dtype: torch.dtype) -> tuple[str, str]:
-    """PTX of the register-table lookups (`_LUT`) for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high,
+    """PTX of the register-table lookups (the LUT form) for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high,
     low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit
     codes in $0, $1.
     A byte of 8 entries is picked by `prmt` (selectors: the nibbles' low 3 bits); entries 8-15 come from a second
@@ -392,11 +339,10 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, n, lora_a, lora_b, scaling, bias, pairs=None, code_values=None,
-                            config=None):
-    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests); `pairs` (None: the
-    16 codes looked up one nibble at a time) is used where the config's PAIRS is on, `code_values` (the codes on
-    the host) where its LUT is."""
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, code_values=None, config=None):
+    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests). The config's LUT form
+    runs where `code_values` (the codes on the host) are given or off CUDA (the interpreter gathers from `code`);
+    else the joined one."""
     m, k = x2.shape
     config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
@@ -411,11 +357,10 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     nested = nested_absmax is not None
     lora = lora_a is not None
     rank = lora_a.shape[0] if lora else 0
-    use_pairs = config["PAIRS"] and pairs is not None
     use_lut = config["LUT"] and (not native or code_values is not None)
     lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
     _nf4_lora_linear_kernel[grid](
-        x2, packed, absmax, code, pairs if use_pairs else code, nested_absmax if nested else absmax,
+        x2, packed, absmax, code, nested_absmax if nested else absmax,
         nested_code if nested else code, offset if nested else code, lora_a if lora else x2,
         lora_b if lora else x2, bias if bias is not None else out,
         out, part, counters,
@@ -424,8 +369,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
-        NATIVE=native, PRECISION=None if native else "ieee", EVEN_ODD=config["EVEN_ODD"], PAIRS=use_pairs,
-        LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
+        NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
@@ -497,16 +441,14 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
                         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                         offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
                         lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
-                        bias: torch.Tensor | None, pairs: torch.Tensor | None,
-                        code_values: list[float] | None) -> torch.Tensor:
+                        bias: torch.Tensor | None, code_values: list[float] | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         out = x2.new_empty(0, out_features)
     elif _takes_triton(x2, blocksize, k, lora_a):
         out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, pairs,
-                                      code_values)
+                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, code_values)
     else:
         out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
                                         nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
@@ -516,31 +458,19 @@ def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Ten
 
 @_nf4_lora_linear_op.register_fake
 def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
-      lora_a, lora_b, scaling, bias, pairs, code_values):
+      lora_a, lora_b, scaling, bias, code_values):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def nf4_pair_table(code: torch.Tensor) -> torch.Tensor:
-    """The [256, 2] fp32 table of a packed byte's two codes: row b holds (code[b >> 4], code[b & 15]), the byte's
-    even (high nibble) and odd element."""
-    byte = torch.arange(256, device=code.device)
-    code = code.reshape(-1).float()
-    return torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1).contiguous()
-
-
 def quant_state_args(quant_state) -> dict:
-    """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, pairs (its
-    `nf4_pair_table`) and code_values (read to the host: a sync; made here, so hold the result instead of calling
-    this per call), shape, blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize,
-    offset."""
-    args = _state_args(quant_state)
-    args.update(pairs=nf4_pair_table(quant_state.code),
-                code_values=tuple(float(v) for v in quant_state.code.reshape(-1).tolist()))
-    return args
+    """The keyword arguments of `nf4_lora_linear` held in a bitsandbytes `QuantState`: absmax, code, code_values
+    (code read to the host: a sync; made here, so hold the result instead of calling this per call), shape,
+    blocksize and, when double-quantized, nested_absmax, nested_code, nested_blocksize, offset."""
+    return dict(_state_args(quant_state), code_values=tuple(float(v) for v in quant_state.code.reshape(-1).tolist()))
 
 
 def _state_args(quant_state) -> dict:
-    """`quant_state_args` without the tables made from the code (what the dequantization reads)."""
+    """`quant_state_args` without code_values (what the dequantization reads: no host sync)."""
     if getattr(quant_state, "packing_format_for_cpu", False):
         raise ValueError("this 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an eval no-grad "
                          "forward on an AVX512-BF16 CPU); set the Linear4bit's support_avx512bf16_for_cpu = False "
@@ -598,11 +528,10 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                     nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                     nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
                     lora_b: torch.Tensor | None = None, scaling: float = 1.0,
-                    bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
-                    code_values: tuple[float, ...] | None = None) -> torch.Tensor:
-    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments. `pairs`:
-    `nf4_pair_table(code)` (a table that disagrees with code gives wrong weights), or None; `code_values`: code's
-    16 values on the host (the same caveat), or None. For sampling only: no
+                    bias: torch.Tensor | None = None, code_values: tuple[float, ...] | None = None) -> torch.Tensor:
+    """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments.
+    `code_values`: code's 16 values on the host (values that disagree with code give wrong weights), or None (then
+    the joined form runs at every row count). For sampling only: no
     autograd, so a call with grad-requiring inputs is refused (run it under torch.no_grad())."""
     tensors = (x, lora_a, lora_b, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
@@ -616,15 +545,11 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
-    if pairs is not None and (pairs.shape != (256, 2) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
-                              or pairs.device != code.device):
-        raise ValueError(f"pairs {tuple(pairs.shape)} {pairs.dtype} on {pairs.device}: expected nf4_pair_table(code), "
-                         f"a contiguous (256, 2) float32 tensor on {code.device}")
     if code_values is not None and len(code_values) != 16:
         raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
     return _nf4_lora_linear_op(x, flat, absmax, code, nested_absmax, nested_code, offset,
                                int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
-                               pairs, None if code_values is None else [float(v) for v in code_values])
+                               None if code_values is None else [float(v) for v in code_values])
 
 
 def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:

@@ -19,14 +19,12 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
-from fastgrpo.kernels.nf4_dequantize import nf4_dequantize
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
 
@@ -168,11 +166,6 @@ def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
 # weight once, then one GEMM): the kernel reads the packed weight again for every 64 rows. By bytes moved the two
 # meet near 576 rows; not timed.
 FOUR_BIT_KERNEL_MAX_ROWS = 256
-# Decode a 4-bit LoRA linear as `fastgrpo::nf4_dequantize` (the weight with its LoRA delta, dequantized into a bf16
-# buffer in one bandwidth-bound pass) + one GEMM, instead of `fastgrpo::nf4_lora_linear`, which dequantizes in the
-# tensor-core operand's layout. Off until the QLoRA step times it: `QLORA_AB="fastgrpo.integrations.generation.
-# adapters.FOUR_BIT_DEQUANTIZE=True;" bash bench/device_session.sh qlora_ab`.
-FOUR_BIT_DEQUANTIZE = False
 
 
 class FourBitLoRALinear(nn.Module):
@@ -208,14 +201,8 @@ class FourBitLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
             return self.layer(x)
-        dtype = self.compute_dtype or x.dtype
-        if FOUR_BIT_DEQUANTIZE:
-            weight = nf4_dequantize(self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b,
-                                    scaling=self.scaling, dtype=dtype)
-            out = F.linear(x.to(dtype), weight, None if self.bias is None else self.bias.to(dtype))
-        else:
-            out = nf4_lora_linear(x.to(dtype), self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b,
-                                  scaling=self.scaling, bias=self.bias)
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), self.packed, **self.quant, lora_a=self.lora_a,
+                              lora_b=self.lora_b, scaling=self.scaling, bias=self.bias)
         return out.to(x.dtype)
 
 
