@@ -107,14 +107,14 @@ run_step() {
     # grpo_qlora_step.py --set; an empty list is the tree as it is), one process each, in order (list them twice to
     # alternate); QLORA_CAP seconds a run. E.g. the NF4 kernel's launch before 394fb62 against the tree:
     # QLORA_AB="fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64 fastgrpo.kernels.nf4_lora_linear._PROGRAMS_PER_SM=2;;" (then
-    # the tree; repeat the whole string, ending in ";;", to alternate twice)
+    # the tree; repeat the whole string, ending in ";;", to alternate twice); QLORA_ARGS are added to every run (e.g. "--steps 6")
     qlora_ab)
       local n=0 settings s
       IFS=';' read -ra QLORA_RUNS <<< "${QLORA_AB:-;}"
       for settings in "${QLORA_RUNS[@]}"; do
         local flags=""
         for s in $settings; do flags="$flags --set $s"; done
-        n=$((n + 1)); step "qlora_ab_$n" ${QLORA_CAP:-120} "$OURS" python3 bench/grpo_qlora_step.py --offload $flags
+        n=$((n + 1)); step "qlora_ab_$n" ${QLORA_CAP:-120} "$OURS" python3 bench/grpo_qlora_step.py --offload ${QLORA_ARGS:-} $flags
       done ;;
     # Rollouts: the engine's tokens/s against the weight + KV read limit (GENERATION_ARGS, e.g. --shape gemma3-1b),
     # and its decode attention kernel against SDPA over the whole cache.
