@@ -477,3 +477,27 @@ if __name__ == "__main__":
     tflops, tbps = device_rates()
     print(f"{hardware()}: bf16 matmul 8192^3 {tflops:.0f} TFLOP/s, device copy {tbps:.2f} TB/s "
           f"(stated: {MATMUL_TFLOPS:.0f}, {COPY_TBPS})")
+
+
+def kernel_profile(call, decode_steps: int) -> None:
+    """GPU time of one `call()` by kernel name (top 30), and the kernels a decode step launches (`decode_steps` of
+    them in the call), as PROFILE lines."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels) / 1e3
+    by_name = {}
+    for e in kernels:
+        count, time_us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (count + 1, time_us + e.device_time)
+    steps = max(1, decode_steps)
+    print(f"PROFILE kernels {len(kernels)} ({len(kernels) / steps:.0f} a decode step), GPU time {total:.1f} ms "
+          f"({total / steps:.3f} ms a step)")
+    for name, (count, time_us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"PROFILE {time_us / 1e3:9.2f} ms {100 * time_us / 1e3 / max(total, 1e-9):5.1f} % {count:7d}x  "
+              f"{name[:110]}")

@@ -154,28 +154,6 @@ def limit_seconds(model, rows_lengths: list[int], prompt_len: int, kv_per_token:
     return seconds
 
 
-def profile(generator, prompts, new_tokens: int, device: str) -> None:
-    """GPU time of one call by kernel name (top 30), and the kernels a decode step launches."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
-        generator.generate(prompts)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time for e in kernels) / 1e3
-    by_name = {}
-    for e in kernels:
-        count, time_us = by_name.get(e.name, (0, 0.0))
-        by_name[e.name] = (count + 1, time_us + e.device_time)
-    print(f"PROFILE kernels {len(kernels)} ({len(kernels) / max(1, new_tokens - 1):.0f} a decode step), GPU time "
-          f"{total:.1f} ms ({total / max(1, new_tokens - 1):.3f} ms a step)")
-    for name, (count, time_us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
-        print(f"PROFILE {time_us / 1e3:9.2f} ms {100 * time_us / 1e3 / total:5.1f} % {count:7d}x  {name[:110]}")
-
-
 def main(argv=None):
     args = parse_args(argv)
     adapters.JOIN_QKV = bool(args.join_qkv)
@@ -234,7 +212,7 @@ def main(argv=None):
             times.append(time.perf_counter() - start)
             lengths = [len(row) for row in out]
         if args.profile and not rows_out:
-            profile(generator, prompts, new, device)
+            harness.kernel_profile(lambda: generator.generate(prompts), new - 1)
         if hook is not None:
             hook.remove()
         seconds = statistics.median(times)

@@ -215,6 +215,8 @@ def run(args) -> dict:
             first_compile = compile_stats.since(compiling)
             print(first_compile.line(cache and cache.directory), flush=True)
     timed = steps[WARMUP_STEPS:] or steps[-1:]
+    if args.profile:  # after the timed steps: one rollout's GPU time by kernel
+        harness.kernel_profile(step.generate, completion - 1)
     reports = fastgrpo.fusion_reports()
     matched = {}
     for report in reports:
@@ -280,6 +282,8 @@ def main() -> int:
                         help="LoRA layers the generator decodes merged ('all' dequantizes the 4-bit bases into a "
                         "bf16 copy)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU is fine)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile one rollout: GPU time by kernel, kernels a decode step")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                         help="a module setting for this process, recorded in the row (repeatable), e.g. "
                         "fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64: an A/B across two processes of one call")
