@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
-from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
+from fastgrpo.integrations.generation.joined import FourBitStack, JoinedProjections, JoinedSlice, joinable_groups, \
+    stackable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
@@ -89,6 +90,10 @@ MERGE_MODES = ("float", "all", "none")
 # Merged q, k and v decode as one GEMM over a joined copy (`joined.py`). `python bench/bench_generation.py
 # --join-qkv 0` times the rollouts without it.
 JOIN_QKV = True
+# 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
+# `FourBitStack`). A/B: `QLORA_AB="fastgrpo.integrations.generation.adapters.STACK_FOUR_BIT=False;;" bash
+# bench/device_session.sh qlora_ab`.
+STACK_FOUR_BIT = True
 # Merges of plain LoRA over bf16/fp16/fp32 bases run `fastgrpo.kernels.lora_merge` (one pass a weight, the delta never
 # in memory); False runs PEFT's delta and torch's passes for them too (the A/B of `python bench/bench_generation.py
 # --shape llama-3.1-8b --cases 64x512 --generations 8 --merge-kernel 0`).
@@ -174,14 +179,14 @@ class FourBitLoRALinear(nn.Module):
     the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
     result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
     (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
-    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. With FOUR_BIT_DEQUANTIZE the same factors go to
-    `fastgrpo::nf4_dequantize` and one GEMM instead. Sampling only: no autograd."""
+    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd. A `FourBitStack`
+    (joined.py) runs several that read one input in one launch (`weight_args`, `stack_key`)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         base = layer.base_layer
         self.__dict__["layer"] = layer  # not a submodule: the LoRA layer is out of the model while this stands in
-        self.in_features = layer.in_features
+        self.in_features, self.out_features = layer.in_features, layer.out_features
         self.compute_dtype = getattr(base, "compute_dtype", None)
         self.packed = base.weight.detach()
         self.quant = quant_state_args(base.weight.quant_state)
@@ -189,6 +194,7 @@ class FourBitLoRALinear(nn.Module):
         self.joined = len(_active(layer)) > 1
         a, b, self.scaling = lora_factors(layer)
         self.lora_a, self.lora_b = a.detach(), b.detach()
+        self.rank = self.lora_a.shape[0]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -198,12 +204,35 @@ class FourBitLoRALinear(nn.Module):
             self.lora_a.copy_(a)
             self.lora_b.copy_(b)
 
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        return x.numel() <= FOUR_BIT_KERNEL_MAX_ROWS * self.in_features
+
+    def weight_args(self) -> dict:
+        """`nf4_lora_linear`'s arguments for this layer (all but x)."""
+        return dict(packed=self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b, scaling=self.scaling,
+                    bias=self.bias)
+
+    def stack_key(self) -> tuple:
+        """What layers stacked into one launch share (`nf4_lora_linear_stacked`)."""
+        q = self.quant
+        return (self.in_features, self.compute_dtype, self.packed.device, q["blocksize"], "nested_absmax" in q,
+                q.get("nested_blocksize"), q["code_values"], self.lora_a.dtype, self.lora_b.dtype,
+                None if self.bias is None else self.bias.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
+        if not self.takes_kernel(x):
             return self.layer(x)
-        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), self.packed, **self.quant, lora_a=self.lora_a,
-                              lora_b=self.lora_b, scaling=self.scaling, bias=self.bias)
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), **self.weight_args())
         return out.to(x.dtype)
+
+
+def _four_bit_member(linear: nn.Module) -> FourBitLoRALinear | None:
+    """The `FourBitLoRALinear` decoding in a swapped-in module's place (itself, or its slice of a `FourBitStack`)."""
+    if isinstance(linear, FourBitLoRALinear):
+        return linear
+    if isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitStack):
+        return linear.joined.members[linear.index]
+    return None
 
 
 def _four_bit_key(layer: nn.Module) -> tuple:
@@ -276,6 +305,8 @@ class MergedAdapters:
       bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives);
     - in a joined copy for an attention's q, k and v that all merge (`joined.py`, while `JOIN_QKV`): one GEMM for
       the three.
+    4-bit layers that read one input (q, k and v; gate and up) decode in one launch (`FourBitStack`, while
+    `STACK_FOUR_BIT`).
 
     Every LoRA layer with active adapters is counted once after `swapped()` enters: `merged_layers` (merged
     weights), `nf4_layers` (the 4-bit kernel), `not_merged` (reason -> layers left to PEFT's own forward).
@@ -299,7 +330,7 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if isinstance(e.linear, FourBitLoRALinear) or e.in_place:
+            if _four_bit_member(e.linear) is not None or e.in_place:
                 continue
             weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
             copies[id(weight)] = weight
@@ -308,7 +339,14 @@ class MergedAdapters:
     @property
     def joined_groups(self) -> int:
         """Groups of projections decoding as one GEMM (`joined.py`)."""
-        return len({id(e.linear.joined) for e in self._entries if isinstance(e.linear, JoinedSlice)})
+        return len({id(e.linear.joined) for e in self._entries
+                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, JoinedProjections)})
+
+    @property
+    def stacked_groups(self) -> int:
+        """Groups of 4-bit layers decoding in one launch (`FourBitStack`)."""
+        return len({id(e.linear.joined) for e in self._entries
+                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, FourBitStack)})
 
     def release(self) -> None:
         self._entries, self._key = [], ()
@@ -353,9 +391,9 @@ class MergedAdapters:
         return linear
 
     def _entries_of(self, parent: nn.Module, name: str, layer: nn.Module, four_bit: bool,
-                    shared: set[int]) -> list[_Merge]:
+                    shared: set[int], four_bit_modules: dict) -> list[_Merge]:
         if four_bit:
-            return [_Merge(parent, name, layer, FourBitLoRALinear(layer))]
+            return [_Merge(parent, name, layer, four_bit_modules[id(layer)])]
         if is_expert_lora(layer):  # each wrapper's parameter merged in place; the outermost swapped for the module
             chain, module = expert_lora_chain(layer)
             return [_Merge(parent if i == 0 else None, name, wrapper, module, in_place=True,
@@ -398,8 +436,8 @@ class MergedAdapters:
 
         planned = []  # in-place kernel merges: (entry, factors), once their misses are counted
         for e in self._entries:
-            if isinstance(e.linear, FourBitLoRALinear):
-                e.linear.refresh()
+            if (member := _four_bit_member(e.linear)) is not None:
+                member.refresh()
                 continue
             factors = self._factors(e.layer)
             if not e.in_place:
@@ -497,9 +535,19 @@ class MergedAdapters:
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
+            four_bit_modules = {id(layer): FourBitLoRALinear(layer)
+                                for _, _, layer, four_bit in targets if four_bit}
+            members = {id(layer): (parent, name, four_bit_modules[id(layer)])
+                       for parent, name, layer, four_bit in targets if four_bit}
+            layers_of = {id(layer): layer for _, _, layer, four_bit in targets if four_bit}
+            for group in stackable_groups(members) if STACK_FOUR_BIT else []:
+                stack = FourBitStack([members[key][2] for key in group])
+                for key, piece in zip(group, stack.slices()):
+                    parent, name, _ = members[key]
+                    joined[key] = _Merge(parent, name, layers_of[key], piece)
             self._entries = [e for target in targets
                              for e in ([joined[id(target[2])]] if id(target[2]) in joined
-                                       else self._entries_of(*target, shared))]
+                                       else self._entries_of(*target, shared, four_bit_modules))]
             self._key = key
             self.version += 1
         try:
