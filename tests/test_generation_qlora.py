@@ -77,10 +77,14 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
 
 
-def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
-    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer."""
+@pytest.mark.parametrize("stack", [False, True])
+def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(stack, monkeypatch):
+    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer, q/k/v and gate/up
+    stacked into one launch a group or not (`STACK_FOUR_BIT`)."""
+    from fastgrpo.integrations.generation import adapters
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
+    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
     torch._dynamo.reset()
     model = qlora_lm()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=5, compile=True, compile_backend="eager")
@@ -89,6 +93,7 @@ def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
         assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 5, eos=VOCAB + 1)
     assert generator.engine.backend.compiles == 1
     assert generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
+    assert generator.engine._merged.stacked_groups == (4 if stack else 0)  # (2 layers)
 
 
 def test_qlora_several_active_adapters_and_disabled_adapters():
@@ -181,11 +186,16 @@ def test_qlora_kernel_modules_are_put_back_after_an_exception():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stack", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype):
+def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, stack, monkeypatch):
     """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps. fp32: the greedy tokens
     of PEFT's forward; bf16: within the engine's own check against PEFT's forward (no fallback warning). Calls that
-    replay every step give the same bits (the kernel's split-K sum has a fixed order)."""
+    replay every step give the same bits (the kernel's split-K sum has a fixed order). q/k/v and gate/up stacked
+    into one launch a group or not."""
+    from fastgrpo.integrations.generation import adapters
+
+    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
     torch._dynamo.reset()
     model = qlora_lm(dtype=dtype, device="cuda")
     batch = [p for p in prompts() for _ in range(4)]

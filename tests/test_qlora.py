@@ -240,16 +240,20 @@ def test_cuda_repeated_blocks_with_offload(tmp_path):
     assert handle.stats.offloaded == 3 * (LAYERS - 1) and handle.stats.loaded_on_demand == 0
 
 
-def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path):
+@pytest.mark.parametrize("stack", [False, True])
+def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path, stack, monkeypatch):
     """While the rollout engine decodes (`MergedAdapters.swapped`, mode "float"), each LoRA linear of a QLoRA model
     loaded by transformers (bf16 compute, fp32 adapters) is a module running fastgrpo::nf4_lora_linear (Triton's
     interpreter here): its output is PEFT's within bf16 rounding (PEFT rounds the base product and the LoRA term
     before their sum, the kernel once); inputs of more rows than a decode step has run PEFT's forward itself. The
-    tiny model's down_proj (96 in-features, blocks of 64) is outside the kernel's domain: left to PEFT, named. q, k
-    and v, and gate and up, are stacked (one launch each group when called in order with one input; here each gets
-    its own input, so each runs alone, and then in order with one input)."""
-    from fastgrpo.integrations.generation.adapters import FOUR_BIT_KERNEL_MAX_ROWS, MergedAdapters
+    tiny model's down_proj (96 in-features, blocks of 64) is outside the kernel's domain: left to PEFT, named. With
+    `STACK_FOUR_BIT`, q, k and v, and gate and up, are stacked (one launch a group when called in order with one
+    input; here each gets its own input, so each runs alone, and then in order with one input)."""
+    from fastgrpo.integrations.generation import adapters
+    from fastgrpo.integrations.generation.adapters import FOUR_BIT_KERNEL_MAX_ROWS, FourBitLoRALinear, MergedAdapters
     from fastgrpo.integrations.generation.joined import FourBitStack, JoinedSlice
+
+    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
     model = qlora_model(tmp_path, "qwen2", torch.bfloat16)
@@ -265,14 +269,14 @@ def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path):
         want = {name: m(inputs[name]) for name, m in lora.items()}
         with triton_on_cpu(), merged.swapped(model):
             assert merged.nf4_layers == len(lora) - LAYERS
-            assert merged.stacked_groups == 2 * LAYERS
+            assert merged.stacked_groups == (2 * LAYERS if stack else 0)
             assert merged.not_merged == {"4-bit base not taken by the 4-bit kernel (in_features not a multiple of the "
                                          "blocksize; merge_lora='all' merges it into a bf16 copy)": LAYERS}
             for name in lora:
                 swapped = model.get_submodule(name)
                 stacked = isinstance(swapped, JoinedSlice) and isinstance(swapped.joined, FourBitStack)
-                assert stacked == name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")), name
-                assert (swapped is lora[name]) == name.endswith("down_proj"), name
+                assert stacked == (stack and name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))), name
+                assert isinstance(swapped, FourBitLoRALinear) == (not stacked and not name.endswith("down_proj")), name
                 got = swapped(inputs[name])
                 scale = want[name].abs().max().item()
                 assert got.dtype == torch.bfloat16

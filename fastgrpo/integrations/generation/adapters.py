@@ -91,9 +91,12 @@ MERGE_MODES = ("float", "all", "none")
 # --join-qkv 0` times the rollouts without it.
 JOIN_QKV = True
 # 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
-# `FourBitStack`). A/B: `QLORA_AB="fastgrpo.integrations.generation.adapters.STACK_FOUR_BIT=False;;" bash
-# bench/device_session.sh qlora_ab`.
-STACK_FOUR_BIT = True
+# `FourBitStack`): 7 launches a layer become 4 (at 8 rows the kernel takes 5-7 us a launch on the 1.5B shape's q, k
+# and v, ~75 % of a QLoRA decode step's GPU time: `grpo_qlora_step.py --profile`). Interpreter-tested and built for
+# sm_90, not yet run on a GPU, so off until `FAILED_TESTS='-m gpu tests/test_kernel_nf4_linear.py
+# tests/test_generation_qlora.py' QLORA_AB="fastgrpo.integrations.generation.adapters.STACK_FOUR_BIT=True;;" bash
+# bench/device_session.sh tests_failed qlora_ab` checks and times it.
+STACK_FOUR_BIT = False
 # Merges of plain LoRA over bf16/fp16/fp32 bases run `fastgrpo.kernels.lora_merge` (one pass a weight, the delta never
 # in memory); False runs PEFT's delta and torch's passes for them too (the A/B of `python bench/bench_generation.py
 # --shape llama-3.1-8b --cases 64x512 --generations 8 --merge-kernel 0`).
