@@ -49,8 +49,9 @@ from fastgrpo.kernels.selective_logprob import selective_logprob  # noqa: E402
 
 COMPLETION = 768
 # Untimed steps: the first compiles, the second captures the ops' CUDA graphs (fastgrpo/kernels/_graphs.py captures at
-# a key's second call; its update took 1.25-1.55 s against 0.62-0.64 s a step later on one H100).
-WARMUP_STEPS = 2
+# a key's second call), and the third's update still took 0.67-0.79 s against 0.21 s from the fourth on (one H100,
+# `QLORA_ARGS="--steps 6" bash bench/device_session.sh qlora_ab`, bench/results/grpo_qlora_step.jsonl).
+WARMUP_STEPS = 3
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GOAL_GB = 4.0  # issue 7's goal for the whole step (Unsloth: 5 GB)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -271,7 +272,7 @@ def table(r: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--offload", action="store_true", help="offloaded checkpointing instead of plain")
-    parser.add_argument("--steps", type=int, default=4,
+    parser.add_argument("--steps", type=int, default=6,
                         help=f"steps to run; the first {WARMUP_STEPS} (compiling, capturing) are not timed")
     parser.add_argument("--inner", help="the fastgrpo backend's inner compiler (default: inductor on CUDA, eager on CPU)")
     parser.add_argument("--generation-compile", default="auto", choices=["auto", "on", "off"],
