@@ -20,6 +20,8 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # both forms (register table, joined)
     python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
     python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
+    python bench/bench_nf4_linear.py --stacked         # GPU: q/k/v and gate/up as one `nf4_lora_linear_stacked`
+                                                       # launch a group against a launch a projection
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Every swept setting's output is checked against bitsandbytes + PEFT before it is timed. Rows are appended to
 bench/results/bench_nf4_linear.jsonl (not with --tiny).
@@ -35,7 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels import nf4_lora_linear as nf4_module  # noqa: E402
-from fastgrpo.kernels.nf4_lora_linear import launch_config, nf4_lora_linear, quant_state_args  # noqa: E402
+from fastgrpo.kernels.nf4_lora_linear import (  # noqa: E402
+    launch_config,
+    nf4_lora_linear,
+    nf4_lora_linear_stacked,
+    quant_state_args,
+)
 
 BLOCKSIZE = 64
 SCALING = 2.0
@@ -145,6 +152,52 @@ def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> 
                 timings_us={_name(c): t * 1e3 / copies for t, c in timings})
 
 
+STACKS = {"q/k/v": ("q", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}  # the projections one launch takes
+
+
+def stacked(args, device: str) -> list[dict]:
+    """Each STACKS group as one `nf4_lora_linear_stacked` launch against one `nf4_lora_linear` launch a projection,
+    rotating through enough copies of the group to miss L2; the stacked output checked against the separate ones."""
+    shapes = projections(args.shape, args.tiny)
+    rows_out = []
+    for group, names in STACKS.items():
+        per_copy = sum(floor_bytes(0, *shapes[name], args.rank) for name in names)
+        copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
+        k = shapes[names[0]][1]
+        members = [[_layer_args(lora_layer(*shapes[name], args.rank, device)) for name in names]
+                   for _ in range(copies)]
+        weights = [[dict(packed=packed, **kwargs, bias=bias) for packed, kwargs, bias in copy] for copy in members]
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                apart = torch.cat([nf4_lora_linear(x, **w) for w in weights[0]], dim=-1).float()
+                joint = nf4_lora_linear_stacked(x, weights[0]).float()
+                err = (joint - apart).abs().max().item() / max(1.0, apart.abs().max().item())
+                assert err < 1e-2, f"{group} rows {m}: stacked and separate launches differ by {err:.3g} (relative)"
+
+                def separate():
+                    for copy in weights:
+                        for w in copy:
+                            nf4_lora_linear(x, **w)
+
+                def one_launch():
+                    for copy in weights:
+                        nf4_lora_linear_stacked(x, copy)
+
+                separate_us = harness.graph_ms(separate) * 1e3 / copies
+                stacked_us = harness.graph_ms(one_launch) * 1e3 / copies
+            row = dict(shape=args.shape, group=group, rows=m, rank=args.rank, copies=copies, stacked=True,
+                       separate_us=separate_us, stacked_us=stacked_us, speedup=separate_us / stacked_us,
+                       max_rel_err=err)
+            harness.emit(row)
+            rows_out.append(row)
+    print(harness.md_header("group", "rows", "copies", "a launch a projection us", "one launch us", "speed-up"))
+    for r in rows_out:
+        print(harness.md_row(r["group"], r["rows"], r["copies"], f"{r['separate_us']:.1f}", f"{r['stacked_us']:.1f}",
+                             f"{r['speedup']:.2f}x"))
+    return rows_out
+
+
 def main(argv=None):
     p = harness.argument_parser(__doc__)
     p.add_argument("--shape", default=harness.DEFAULT_SHAPE, choices=sorted(harness.SHAPES))
@@ -155,6 +208,8 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="?", const="all", choices=["all", "forms", *FORMS],
                    help="time the kernel's launch settings (GPU): in both forms (all), in one (lut, joined), or the "
                    "launch as it is in each form (forms)")
+    p.add_argument("--stacked", action="store_true",
+                   help="time q/k/v and gate/up as one launch a group against a launch a projection")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -163,6 +218,11 @@ def main(argv=None):
     if args.tiny:
         torch.set_num_threads(1)  # tiny CPU matmuls: more threads only contend
     torch.manual_seed(0)
+    if args.stacked:
+        rows_out = stacked(args, device)
+        if not args.tiny:
+            harness.record("bench_nf4_linear", rows_out, argv)
+        return rows_out
     bandwidth = harness.COPY_TBPS * 1e12
     rows_out = []
     for name, (n, k) in projections(args.shape, args.tiny).items():

@@ -470,6 +470,8 @@ def test_bench_tiny_smoke_run(capsys):
     assert [r["projection"] for r in rows] == ["q", "k/v", "o", "gate/up", "down"]
     assert all(r["max_rel_err"] < 3e-2 for r in rows)
     assert "| projection |" in capsys.readouterr().out
+    stacked = bench_nf4_linear.main(["--tiny", "--rows", "8", "--stacked"])
+    assert [r["group"] for r in stacked] == ["q/k/v", "gate/up"] and all(r["max_rel_err"] < 1e-2 for r in stacked)
 
 
 # GPU: the Qwen2.5-1.5B projection shapes, QLoRA's defaults (NF4, blocksize 64, double quantization), fp32 adapters.
