@@ -275,7 +275,8 @@ def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path, stack
             for name in lora:
                 swapped = model.get_submodule(name)
                 stacked = isinstance(swapped, JoinedSlice) and isinstance(swapped.joined, FourBitStack)
-                assert stacked == (stack and name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))), name
+                in_groups = name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+                assert stacked == (stack and in_groups), name
                 assert isinstance(swapped, FourBitLoRALinear) == (not stacked and not name.endswith("down_proj")), name
                 got = swapped(inputs[name])
                 scale = want[name].abs().max().item()

@@ -611,7 +611,7 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
         raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
     lists = {name: [] for name in ("packed", "absmax", "nested_absmax", "nested_code", "offset", "lora_a", "lora_b",
                                    "bias")}
-    widths, scalings, code, agreed = [], [], None, None
+    widths, scalings, code, code_values, agreed = [], [], None, None, None
     for w in weights:
         n, k = (int(s) for s in w["shape"])
         if x.shape[-1] != k:
@@ -623,16 +623,15 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
             w.get("offset"), nested_blocksize, lora_a, lora_b)
         if bias is not None and bias.shape != (n,):
             raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
-        code_values = w.get("code_values")
-        if code_values is not None and len(code_values) != 16:
-            raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
-        if code_values is not None:
-            code_values = [float(v) for v in code_values]
-        this = (k, blocksize, nested_blocksize, nested_absmax is not None, code_values,
+        values = w.get("code_values")
+        if values is not None and len(values) != 16:
+            raise ValueError(f"{len(values)} code_values: expected code's 16 values")
+        values = None if values is None else [float(v) for v in values]
+        this = (k, blocksize, nested_blocksize, nested_absmax is not None, values,
                 None if lora_a is None else (lora_a.dtype, lora_b.dtype), None if bias is None else bias.dtype)
         if agreed is None:
-            agreed, code = this, w_code
-        elif this != agreed or code_values is None:
+            agreed, code, code_values = this, w_code, values
+        elif this != agreed or values is None:
             raise ValueError("stacked weights must agree on K, blocksize, double quantization, code_values (given for "
                              "each: quant_state_args gives them), LoRA factors' presence and dtypes and bias' "
                              "presence and dtype; call nf4_lora_linear on each weight that differs")
@@ -644,10 +643,10 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
                             ("lora_b", None if lora_b is None else lora_b.contiguous())):
             if value is not None:
                 lists[name].append(value)
-    k, blocksize, nested_blocksize, *_ = agreed
+    _, blocksize, nested_blocksize, *_ = agreed
     return _nf4_lora_linear_op(x, lists["packed"], lists["absmax"], code, lists["nested_absmax"],
                                lists["nested_code"], lists["offset"], blocksize, nested_blocksize, widths,
-                               lists["lora_a"], lists["lora_b"], scalings, lists["bias"], agreed[4])
+                               lists["lora_a"], lists["lora_b"], scalings, lists["bias"], code_values)
 
 
 def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:

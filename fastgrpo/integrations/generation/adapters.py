@@ -197,7 +197,6 @@ class FourBitLoRALinear(nn.Module):
         self.joined = len(_active(layer)) > 1
         a, b, self.scaling = lora_factors(layer)
         self.lora_a, self.lora_b = a.detach(), b.detach()
-        self.rank = self.lora_a.shape[0]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -538,16 +537,13 @@ class MergedAdapters:
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
-            four_bit_modules = {id(layer): FourBitLoRALinear(layer)
-                                for _, _, layer, four_bit in targets if four_bit}
-            members = {id(layer): (parent, name, four_bit_modules[id(layer)])
-                       for parent, name, layer, four_bit in targets if four_bit}
-            layers_of = {id(layer): layer for _, _, layer, four_bit in targets if four_bit}
-            for group in stackable_groups(members) if STACK_FOUR_BIT else []:
-                stack = FourBitStack([members[key][2] for key in group])
-                for key, piece in zip(group, stack.slices()):
-                    parent, name, _ = members[key]
-                    joined[key] = _Merge(parent, name, layers_of[key], piece)
+            four_bit_modules = {id(layer): FourBitLoRALinear(layer) for _, _, layer, four_bit in targets if four_bit}
+            stackable = [(parent, name, layer) for parent, name, layer, four_bit in targets if four_bit]
+            groups = stackable_groups(stackable, lambda layer: four_bit_modules[id(layer)]) if STACK_FOUR_BIT else []
+            for group in groups:
+                stack = FourBitStack([four_bit_modules[id(layer)] for _, _, layer in group])
+                for (parent, name, layer), piece in zip(group, stack.slices()):
+                    joined[id(layer)] = _Merge(parent, name, layer, piece)
             self._entries = [e for target in targets
                              for e in ([joined[id(target[2])]] if id(target[2]) in joined
                                        else self._entries_of(*target, shared, four_bit_modules))]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastgrpo.kernels.nf4_lora_linear import MAX_RANK, nf4_lora_linear_stacked
+from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear_stacked
 
 JOINED_NAMES = ("q_proj", "k_proj", "v_proj")  # in the order HF attention modules call them
 STACKED_NAMES = (JOINED_NAMES, ("gate_proj", "up_proj"))  # (HF's gated MLPs call gate first)
@@ -127,19 +127,22 @@ class JoinedSlice(nn.Module):
         return f"columns {self.lo}:{self.hi} of {self.joined.bounds[-1]}"
 
 
+def _siblings(targets: list[tuple[nn.Module, str, nn.Module]], names: tuple[str, ...]) -> list[list[tuple]]:
+    """The (parent, name, layer) groups among `targets` that hold every one of `names` under one parent, in that
+    order."""
+    by_parent: dict[int, dict[str, tuple]] = {}
+    for parent, name, layer in targets:
+        if name in names:
+            by_parent.setdefault(id(parent), {})[name] = (parent, name, layer)
+    return [[members[name] for name in names] for members in by_parent.values() if len(members) == len(names)]
+
+
 def joinable_groups(targets: list[tuple[nn.Module, str, nn.Module]], dtype_of) -> list[list[tuple]]:
     """Groups of (parent, name, LoRA layer) among `targets` (layers that merge) to join: under one parent, every name
     of `JOINED_NAMES`, with equal in_features, one merged dtype (`dtype_of(layer)`), one device, and a bias on all
     or none of their bases."""
-    by_parent: dict[int, dict[str, tuple]] = {}
-    for parent, name, layer in targets:
-        if name in JOINED_NAMES:
-            by_parent.setdefault(id(parent), {})[name] = (parent, name, layer)
     groups = []
-    for members in by_parent.values():
-        if len(members) != len(JOINED_NAMES):
-            continue
-        group = [members[name] for name in JOINED_NAMES]
+    for group in _siblings(targets, JOINED_NAMES):
         layers = [layer for _, _, layer in group]
         bases = [layer.base_layer for layer in layers]
         if len({layer.in_features for layer in layers}) != 1:
@@ -152,19 +155,9 @@ def joinable_groups(targets: list[tuple[nn.Module, str, nn.Module]], dtype_of) -
     return groups
 
 
-def stackable_groups(members: dict[int, tuple[nn.Module, str, nn.Module]]) -> list[list[int]]:
-    """Groups of `FourBitLoRALinear` members (id -> (parent, name, member)) to stack: under one parent, every name of
-    a `STACKED_NAMES` entry, members that agree on what one launch shares (`stack_key`) with ranks the kernel takes."""
-    by_parent: dict[int, dict[str, int]] = {}
-    for key, (parent, name, _) in members.items():
-        by_parent.setdefault(id(parent), {})[name] = key
-    groups = []
-    for names in by_parent.values():
-        for group_names in STACKED_NAMES:
-            if not all(n in names for n in group_names):
-                continue
-            keys = [names[n] for n in group_names]
-            group = [members[k][2] for k in keys]
-            if len({m.stack_key() for m in group}) == 1 and all(m.rank <= MAX_RANK for m in group):
-                groups.append(keys)
-    return groups
+def stackable_groups(targets: list[tuple[nn.Module, str, nn.Module]], module_of) -> list[list[tuple]]:
+    """Groups of (parent, name, LoRA layer) among `targets` (layers that decode through the 4-bit kernel) to stack:
+    under one parent, every name of a `STACKED_NAMES` entry, whose `FourBitLoRALinear`s (`module_of(layer)`) agree
+    on what one launch shares (`stack_key`)."""
+    return [group for names in STACKED_NAMES for group in _siblings(targets, names)
+            if len({module_of(layer).stack_key() for _, _, layer in group}) == 1]
