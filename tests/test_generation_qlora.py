@@ -37,7 +37,7 @@ def qlora_lm(arch="qwen2", dtype=torch.float32, device="cpu", lora=True):
 
 
 def _kernel_modules(model):
-    from fastgrpo.integrations.generation.adapters import FourBitLoRALinear
+    from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear
 
     return [m for m in model.modules() if isinstance(m, FourBitLoRALinear)]
 
@@ -81,10 +81,10 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
 def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(stack, monkeypatch):
     """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer, q/k/v and gate/up
     stacked into one launch a group or not (`STACK_FOUR_BIT`)."""
-    from fastgrpo.integrations.generation import adapters
+    from fastgrpo.integrations.generation import four_bit
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
-    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
+    monkeypatch.setattr(four_bit, "STACK_FOUR_BIT", stack)
     torch._dynamo.reset()
     model = qlora_lm()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=5, compile=True, compile_backend="eager")
@@ -193,9 +193,9 @@ def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, stack, monkeypat
     of PEFT's forward; bf16: within the engine's own check against PEFT's forward (no fallback warning). Calls that
     replay every step give the same bits (the kernel's split-K sum has a fixed order). q/k/v and gate/up stacked
     into one launch a group or not."""
-    from fastgrpo.integrations.generation import adapters
+    from fastgrpo.integrations.generation import four_bit
 
-    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
+    monkeypatch.setattr(four_bit, "STACK_FOUR_BIT", stack)
     torch._dynamo.reset()
     model = qlora_lm(dtype=dtype, device="cuda")
     batch = [p for p in prompts() for _ in range(4)]

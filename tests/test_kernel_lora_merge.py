@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastgrpo.integrations.generation.four_bit import lora_factors
 from fastgrpo.kernels._dispatch import triton_on_cpu
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
-from fastgrpo.kernels.nf4_lora_linear import lora_factors
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}  # relative, one rounding

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastgrpo.integrations.generation.four_bit import lora_factors, nf4_lora_linear_from_module
 from fastgrpo.kernels._dispatch import cdiv, triton_on_cpu
 from fastgrpo.kernels import nf4_lora_linear as nf4_module
 from fastgrpo.kernels.nf4_lora_linear import (
@@ -18,10 +19,8 @@ from fastgrpo.kernels.nf4_lora_linear import (
     _triton_nf4_lora_linear,
     kernel_obstacle,
     launch_config,
-    lora_factors,
     lut_asm,
     nf4_lora_linear,
-    nf4_lora_linear_from_module,
     nf4_lora_linear_stacked,
     quant_state_args,
     reference_dequantize_nf4,

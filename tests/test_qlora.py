@@ -249,11 +249,12 @@ def test_rollout_decodes_each_lora_layer_through_the_4bit_kernel(tmp_path, stack
     tiny model's down_proj (96 in-features, blocks of 64) is outside the kernel's domain: left to PEFT, named. With
     `STACK_FOUR_BIT`, q, k and v, and gate and up, are stacked (one launch a group when called in order with one
     input; here each gets its own input, so each runs alone, and then in order with one input)."""
-    from fastgrpo.integrations.generation import adapters
-    from fastgrpo.integrations.generation.adapters import FOUR_BIT_KERNEL_MAX_ROWS, FourBitLoRALinear, MergedAdapters
+    from fastgrpo.integrations.generation import four_bit
+    from fastgrpo.integrations.generation.adapters import MergedAdapters
+    from fastgrpo.integrations.generation.four_bit import FOUR_BIT_KERNEL_MAX_ROWS, FourBitLoRALinear
     from fastgrpo.integrations.generation.joined import FourBitStack, JoinedSlice
 
-    monkeypatch.setattr(adapters, "STACK_FOUR_BIT", stack)
+    monkeypatch.setattr(four_bit, "STACK_FOUR_BIT", stack)
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
     model = qlora_model(tmp_path, "qwen2", torch.bfloat16)

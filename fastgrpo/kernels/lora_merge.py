@@ -1,8 +1,8 @@
 """A LoRA delta added to a weight, or taken from it, in one pass: the rollout engine's adapter merge.
 
 The delta of a LoRA layer's active adapters is `b @ a`, with `a` [r, K] their A's stacked along r and `b` [N, r]
-their B's side by side, each scaled by its adapter's scaling (`nf4_lora_linear.lora_factors`, then
-`lora_merge_factors`), both fp32. The kernel computes a [BN, BK] tile of it in registers (r fused multiply-adds an
+their B's side by side, each scaled by its adapter's scaling (`lora_factors` of
+fastgrpo.integrations.generation.four_bit, then `lora_merge_factors`), both fp32. The kernel computes a [BN, BK] tile of it in registers (r fused multiply-adds an
 element, in a fixed order) beside the weight's tile, so each pass reads (and writes) the weight once and the delta is
 never in memory. Every call computes the same delta
 bits from the same factors, which is what makes an in-place merge undoable exactly:
@@ -114,7 +114,7 @@ def _lora_merge_kernel(w_ptr, out_ptr, a_ptr, b_ptr, stats_ptr, fix_index_ptr, f
 
 def lora_merge_factors(a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b * scaling) in fp32 and contiguous, so that b @ a is the delta: one adapter, or several as
-    `nf4_lora_linear.lora_factors` joins them."""
+    `fastgrpo.integrations.generation.four_bit.lora_factors` joins them."""
     return a.detach().to(torch.float32).contiguous(), (b.detach().to(torch.float32) * scaling).contiguous()
 
 

@@ -7,8 +7,8 @@ nested_blocksize=256, lora_a=None, lora_b=None, scaling=1.0, bias=None, code_val
 
 in x's dtype (bf16, fp16 or fp32), fp32 accumulation; x [..., K] -> [..., N]. One adapter: lora_a [r, K],
 lora_b [N, r] (PEFT's lora_A / lora_B weights, any float dtype: cast in the kernel), or none (lora_a None).
-`nf4_lora_linear_from_module(x, layer)` runs a PEFT LoRA layer over a bitsandbytes `Linear4bit`; it joins several
-active adapters into one (their A's stacked along r, each B scaled by its adapter's scaling).
+Several active adapters are one adapter with their A's stacked along r and each B scaled by its adapter's scaling
+(`fastgrpo.integrations.generation.four_bit.lora_factors` reads them so from a PEFT layer).
 
 W is bitsandbytes' 4-bit layout (bitsandbytes 0.50 `functional.quantize_4bit` / `dequantize_4bit`):
 - `packed`: the [N, K] weight flattened row-major, two elements a byte, element 2i in the high nibble and 2i+1 in
@@ -647,46 +647,3 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
     return _nf4_lora_linear_op(x, lists["packed"], lists["absmax"], code, lists["nested_absmax"],
                                lists["nested_code"], lists["offset"], blocksize, nested_blocksize, widths,
                                lists["lora_a"], lists["lora_b"], scalings, lists["bias"], code_values)
-
-
-def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """(A, B, scaling) of a PEFT LoRA layer's active adapters as one adapter: (None, None, 1.0) when adapters are
-    disabled, merged or none is active; one adapter as it is; several joined, A's stacked along r and each B scaled
-    by its adapter's scaling (scaling 1.0). Dropout is not applied (sampling runs adapters as in eval mode).
-    Variants (DoRA, ...), LoRA biases and mixed-adapter batches are refused."""
-    if layer.disable_adapters or layer.merged:
-        return None, None, 1.0
-    factors = []
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
-        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
-            raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA, ...): only plain LoRA runs in nf4_lora_linear")
-        if layer.lora_B[name].bias is not None:
-            raise ValueError(f"adapter {name!r} has a LoRA bias: not supported by nf4_lora_linear")
-        factors.append((layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])))
-    if not factors:
-        return None, None, 1.0
-    if len(factors) == 1:
-        return factors[0]
-    dtype = torch.promote_types(factors[0][0].dtype, factors[0][1].dtype)
-    a = torch.cat([f[0].to(dtype) for f in factors])
-    b = torch.cat([f[1].to(dtype) * f[2] for f in factors], dim=1)
-    return a, b, 1.0
-
-
-def nf4_lora_linear_from_module(x: torch.Tensor, layer) -> torch.Tensor:
-    """What PEFT's LoRA `layer` over a bitsandbytes `Linear4bit` computes for x (its active adapters, their scaling,
-    the base's bias), through `nf4_lora_linear`, in the base's compute dtype (x's dtype if unset) and returned in
-    x's dtype, as bitsandbytes does. A bare `Linear4bit` runs without LoRA."""
-    import bitsandbytes as bnb
-
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-    if not isinstance(base, bnb.nn.Linear4bit):
-        raise TypeError(f"{type(base).__name__} is not a bitsandbytes Linear4bit")
-    a, b, scaling = lora_factors(layer) if base is not layer else (None, None, 1.0)
-    dtype = getattr(base, "compute_dtype", None) or x.dtype
-    weight = base.weight
-    out = nf4_lora_linear(x.to(dtype), weight.data, **quant_state_args(weight.quant_state), lora_a=a, lora_b=b,
-                          scaling=scaling, bias=base.bias)
-    return out.to(x.dtype)

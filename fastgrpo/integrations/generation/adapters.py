@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastgrpo.integrations.generation import four_bit as four_bit_module
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
+from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear, active_adapters, four_bit_key, \
+    four_bit_member, four_bit_obstacle, lora_factors
 from fastgrpo.integrations.generation.joined import FourBitStack, JoinedProjections, JoinedSlice, joinable_groups, \
     stackable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
-from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, lora_factors, nf4_lora_linear, quant_state_args
 
 
 def _base_compute_dtype(layer: nn.Module) -> torch.dtype | None:
@@ -90,13 +92,6 @@ MERGE_MODES = ("float", "all", "none")
 # Merged q, k and v decode as one GEMM over a joined copy (`joined.py`). `python bench/bench_generation.py
 # --join-qkv 0` times the rollouts without it.
 JOIN_QKV = True
-# 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
-# `FourBitStack`): 7 launches a layer become 4 (at 8 rows the kernel takes 5-7 us a launch on the 1.5B shape's q, k
-# and v, ~75 % of a QLoRA decode step's GPU time: `grpo_qlora_step.py --profile`). Interpreter-tested and built for
-# sm_90, not yet run on a GPU, so off until `FAILED_TESTS='-m gpu tests/test_kernel_nf4_linear.py
-# tests/test_generation_qlora.py' QLORA_AB="fastgrpo.integrations.generation.adapters.STACK_FOUR_BIT=True;;" bash
-# bench/device_session.sh tests_failed qlora_ab` checks and times it.
-STACK_FOUR_BIT = False
 # Merges of plain LoRA over bf16/fp16/fp32 bases run `fastgrpo.kernels.lora_merge` (one pass a weight, the delta never
 # in memory); False runs PEFT's delta and torch's passes for them too (the A/B of `python bench/bench_generation.py
 # --shape llama-3.1-8b --cases 64x512 --generations 8 --merge-kernel 0`).
@@ -118,36 +113,14 @@ def _adapter_device(layer: nn.Module) -> torch.device:
     return layer.lora_A[next(iter(layer.lora_A))].weight.device
 
 
-def _active(layer: nn.Module) -> list[str]:
-    return [name for name in layer.active_adapters if name in layer.lora_A]
-
-
 def _adapter_obstacle(layer: nn.Module) -> str | None:
     """Why the active adapters are not a plain weight sum (None: they are)."""
-    for name in _active(layer):
+    for name in active_adapters(layer):
         if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
             return "a LoRA variant (DoRA, ...) whose merge is not a weight sum"
         if layer.lora_B[name].bias is not None:
             return "LoRA with a bias"
     return None
-
-
-def _four_bit_obstacle(layer: nn.Module) -> str | None:
-    """Why this LoRA layer over a bitsandbytes-quantized base cannot decode through `fastgrpo::nf4_lora_linear`
-    (None: it can): an 8-bit base, a weight in bitsandbytes' CPU layout, a call outside the kernel's domain."""
-    weight = layer.base_layer.weight
-    copy = "merge_lora='all' merges it into a bf16 copy"
-    if type(weight).__name__ != "Params4bit":
-        return f"8-bit quantized base ({copy})"
-    state = weight.quant_state
-    if getattr(state, "quant_type", None) not in ("nf4", "fp4"):
-        return "4-bit base without an nf4 or fp4 quantization state"
-    if getattr(state, "packing_format_for_cpu", False):
-        return "4-bit weight repacked for bitsandbytes' CPU kernel (set support_avx512bf16_for_cpu = False on each " \
-               "Linear4bit)"
-    rank = sum(layer.lora_A[name].weight.shape[0] for name in _active(layer))
-    why = kernel_obstacle(weight, int(state.blocksize), layer.in_features, rank)
-    return None if why is None else f"4-bit base not taken by the 4-bit kernel ({why}; {copy})"
 
 
 def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
@@ -161,89 +134,13 @@ def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
     if _is_quantized(weight):
         why = _adapter_obstacle(layer)
         if why is None and mode != "all":
-            return _four_bit_obstacle(layer), True
+            return four_bit_obstacle(layer), True
         return why, False
     if type(base) is not nn.Linear:
         return f"base layer is {type(base).__name__}, not nn.Linear", False
     if not weight.is_floating_point():
         return f"base weight of dtype {weight.dtype}", False
     return _adapter_obstacle(layer), False
-
-
-# Inputs of more rows than this (a prefill) skip the 4-bit kernel for PEFT's forward (bitsandbytes dequantizes the
-# weight once, then one GEMM): the kernel reads the packed weight again for every 64 rows. By bytes moved the two
-# meet near 576 rows; not timed.
-FOUR_BIT_KERNEL_MAX_ROWS = 256
-
-
-class FourBitLoRALinear(nn.Module):
-    """What decodes in place of a PEFT LoRA linear over a bitsandbytes 4-bit (nf4 or fp4) base while
-    `MergedAdapters.swapped()` runs: `fastgrpo::nf4_lora_linear` on the live packed weight, its quantization state,
-    the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
-    result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
-    (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
-    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd. A `FourBitStack`
-    (joined.py) runs several that read one input in one launch (`weight_args`, `stack_key`)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        base = layer.base_layer
-        self.__dict__["layer"] = layer  # not a submodule: the LoRA layer is out of the model while this stands in
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.compute_dtype = getattr(base, "compute_dtype", None)
-        self.packed = base.weight.detach()
-        self.quant = quant_state_args(base.weight.quant_state)
-        self.bias = None if base.bias is None else base.bias.detach()
-        self.joined = len(_active(layer)) > 1
-        a, b, self.scaling = lora_factors(layer)
-        self.lora_a, self.lora_b = a.detach(), b.detach()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Joined factors take the adapters' current values (one adapter is read live: nothing to do)."""
-        if self.joined:
-            a, b, _ = lora_factors(self.layer)
-            self.lora_a.copy_(a)
-            self.lora_b.copy_(b)
-
-    def takes_kernel(self, x: torch.Tensor) -> bool:
-        return x.numel() <= FOUR_BIT_KERNEL_MAX_ROWS * self.in_features
-
-    def weight_args(self) -> dict:
-        """`nf4_lora_linear`'s arguments for this layer (all but x)."""
-        return dict(packed=self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b, scaling=self.scaling,
-                    bias=self.bias)
-
-    def stack_key(self) -> tuple:
-        """What layers stacked into one launch share (`nf4_lora_linear_stacked`)."""
-        q = self.quant
-        return (self.in_features, self.compute_dtype, self.packed.device, q["blocksize"], "nested_absmax" in q,
-                q.get("nested_blocksize"), q["code_values"], self.lora_a.dtype, self.lora_b.dtype,
-                None if self.bias is None else self.bias.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes_kernel(x):
-            return self.layer(x)
-        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), **self.weight_args())
-        return out.to(x.dtype)
-
-
-def _four_bit_member(linear: nn.Module) -> FourBitLoRALinear | None:
-    """The `FourBitLoRALinear` decoding in a swapped-in module's place (itself, or its slice of a `FourBitStack`)."""
-    if isinstance(linear, FourBitLoRALinear):
-        return linear
-    if isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitStack):
-        return linear.joined.members[linear.index]
-    return None
-
-
-def _four_bit_key(layer: nn.Module) -> tuple:
-    """What a `FourBitLoRALinear` holds of a layer: when any of it is another tensor, or a scaling changed, it is
-    built again (and graphs that captured the old one are stale)."""
-    base = layer.base_layer
-    tensors = [base.weight, base.bias] + [f[n].weight for n in _active(layer) for f in (layer.lora_A, layer.lora_B)]
-    return (id(base.weight.quant_state), tuple(None if t is None else t.data_ptr() for t in tensors),
-            tuple(float(layer.scaling[n]) for n in _active(layer)))
 
 
 def _merged_tensors(layer: nn.Module) -> tuple:
@@ -308,7 +205,7 @@ class MergedAdapters:
     - in a joined copy for an attention's q, k and v that all merge (`joined.py`, while `JOIN_QKV`): one GEMM for
       the three.
     4-bit layers that read one input (q, k and v; gate and up) decode in one launch (`FourBitStack`, while
-    `STACK_FOUR_BIT`).
+    `four_bit.STACK_FOUR_BIT`).
 
     Every LoRA layer with active adapters is counted once after `swapped()` enters: `merged_layers` (merged
     weights), `nf4_layers` (the 4-bit kernel), `not_merged` (reason -> layers left to PEFT's own forward).
@@ -332,7 +229,7 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if _four_bit_member(e.linear) is not None or e.in_place:
+            if four_bit_member(e.linear) is not None or e.in_place:
                 continue
             weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
             copies[id(weight)] = weight
@@ -363,7 +260,7 @@ class MergedAdapters:
             for name, child in parent._modules.items():
                 if child is None or not _is_lora_linear(child) or child.disable_adapters or child.merged:
                     continue
-                if not _active(child):
+                if not active_adapters(child):
                     continue
                 reason, four_bit = _obstacle(child, self.mode)
                 if reason is None:
@@ -414,7 +311,7 @@ class MergedAdapters:
         undo (autocast off): the merge of the layers `_factors` does not take."""
         total = None
         with torch.autocast(_adapter_device(layer).type, enabled=False):
-            for name in _active(layer):
+            for name in active_adapters(layer):
                 delta = layer.get_delta_weight(name).to(torch.float32)
                 total = delta if total is None else total + delta
         return total
@@ -438,7 +335,7 @@ class MergedAdapters:
 
         planned = []  # in-place kernel merges: (entry, factors), once their misses are counted
         for e in self._entries:
-            if (member := _four_bit_member(e.linear)) is not None:
+            if (member := four_bit_member(e.linear)) is not None:
                 member.refresh()
                 continue
             factors = self._factors(e.layer)
@@ -518,7 +415,7 @@ class MergedAdapters:
             return
         targets = self._targets(model)
         key = tuple((id(parent), name, id(layer), _merged_tensors(layer), tuple(layer.active_adapters),
-                     _four_bit_key(layer) if four_bit else None)
+                     four_bit_key(layer) if four_bit else None)
                     for parent, name, layer, four_bit in targets)
         if key != self._key:
             counts: dict[int, int] = {}
@@ -539,7 +436,8 @@ class MergedAdapters:
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
             four_bit_modules = {id(layer): FourBitLoRALinear(layer) for _, _, layer, four_bit in targets if four_bit}
             stackable = [(parent, name, layer) for parent, name, layer, four_bit in targets if four_bit]
-            groups = stackable_groups(stackable, lambda layer: four_bit_modules[id(layer)]) if STACK_FOUR_BIT else []
+            stacking = four_bit_module.STACK_FOUR_BIT
+            groups = stackable_groups(stackable, lambda layer: four_bit_modules[id(layer)]) if stacking else []
             for group in groups:
                 stack = FourBitStack([four_bit_modules[id(layer)] for _, _, layer in group])
                 for (parent, name, layer), piece in zip(group, stack.slices()):

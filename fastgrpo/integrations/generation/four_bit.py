@@ -1,0 +1,166 @@
+"""LoRA linears over a bitsandbytes 4-bit base (QLoRA) while the rollout engine decodes: `fastgrpo::nf4_lora_linear`
+on the live packed weight and the live adapters, no dequantized copy.
+
+`FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call);
+`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason); a `FourBitStack` (joined.py)
+runs several that read one input in one launch. `lora_factors` reads a PEFT layer's active adapters as one (A, B,
+scaling); `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastgrpo.integrations.generation.joined import FourBitStack, JoinedSlice
+from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args
+
+# 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
+# `FourBitStack`): 7 launches a layer become 4 (at 8 rows the kernel takes 5-7 us a launch on the 1.5B shape's q, k
+# and v, ~75 % of a QLoRA decode step's GPU time: `grpo_qlora_step.py --profile`). Interpreter-tested and built for
+# sm_90, not yet run on a GPU, so off until `FAILED_TESTS='-m gpu tests/test_kernel_nf4_linear.py
+# tests/test_generation_qlora.py' QLORA_AB="fastgrpo.integrations.generation.four_bit.STACK_FOUR_BIT=True;;" bash
+# bench/device_session.sh tests_failed qlora_ab` checks and times it.
+STACK_FOUR_BIT = False
+
+
+def active_adapters(layer: nn.Module) -> list[str]:
+    """The names of a PEFT LoRA layer's active adapters that it holds."""
+    return [name for name in layer.active_adapters if name in layer.lora_A]
+
+
+def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(A, B, scaling) of a PEFT LoRA layer's active adapters as one adapter: (None, None, 1.0) when adapters are
+    disabled, merged or none is active; one adapter as it is; several joined, A's stacked along r and each B scaled
+    by its adapter's scaling (scaling 1.0). Dropout is not applied (sampling runs adapters as in eval mode).
+    Variants (DoRA, ...), LoRA biases and mixed-adapter batches are refused."""
+    if layer.disable_adapters or layer.merged:
+        return None, None, 1.0
+    factors = []
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
+            raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA, ...): only plain LoRA runs in nf4_lora_linear")
+        if layer.lora_B[name].bias is not None:
+            raise ValueError(f"adapter {name!r} has a LoRA bias: not supported by nf4_lora_linear")
+        factors.append((layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])))
+    if not factors:
+        return None, None, 1.0
+    if len(factors) == 1:
+        return factors[0]
+    dtype = torch.promote_types(factors[0][0].dtype, factors[0][1].dtype)
+    a = torch.cat([f[0].to(dtype) for f in factors])
+    b = torch.cat([f[1].to(dtype) * f[2] for f in factors], dim=1)
+    return a, b, 1.0
+
+
+def nf4_lora_linear_from_module(x: torch.Tensor, layer) -> torch.Tensor:
+    """What PEFT's LoRA `layer` over a bitsandbytes `Linear4bit` computes for x (its active adapters, their scaling,
+    the base's bias), through `nf4_lora_linear`, in the base's compute dtype (x's dtype if unset) and returned in
+    x's dtype, as bitsandbytes does. A bare `Linear4bit` runs without LoRA."""
+    import bitsandbytes as bnb
+
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    if not isinstance(base, bnb.nn.Linear4bit):
+        raise TypeError(f"{type(base).__name__} is not a bitsandbytes Linear4bit")
+    a, b, scaling = lora_factors(layer) if base is not layer else (None, None, 1.0)
+    dtype = getattr(base, "compute_dtype", None) or x.dtype
+    weight = base.weight
+    out = nf4_lora_linear(x.to(dtype), weight.data, **quant_state_args(weight.quant_state), lora_a=a, lora_b=b,
+                          scaling=scaling, bias=base.bias)
+    return out.to(x.dtype)
+
+
+def four_bit_obstacle(layer: nn.Module) -> str | None:
+    """Why this LoRA layer over a bitsandbytes-quantized base cannot decode through `fastgrpo::nf4_lora_linear`
+    (None: it can): an 8-bit base, a weight in bitsandbytes' CPU layout, a call outside the kernel's domain."""
+    weight = layer.base_layer.weight
+    copy = "merge_lora='all' merges it into a bf16 copy"
+    if type(weight).__name__ != "Params4bit":
+        return f"8-bit quantized base ({copy})"
+    state = weight.quant_state
+    if getattr(state, "quant_type", None) not in ("nf4", "fp4"):
+        return "4-bit base without an nf4 or fp4 quantization state"
+    if getattr(state, "packing_format_for_cpu", False):
+        return "4-bit weight repacked for bitsandbytes' CPU kernel (set support_avx512bf16_for_cpu = False on each " \
+               "Linear4bit)"
+    rank = sum(layer.lora_A[name].weight.shape[0] for name in active_adapters(layer))
+    why = kernel_obstacle(weight, int(state.blocksize), layer.in_features, rank)
+    return None if why is None else f"4-bit base not taken by the 4-bit kernel ({why}; {copy})"
+
+
+# Inputs of more rows than this (a prefill) skip the 4-bit kernel for PEFT's forward (bitsandbytes dequantizes the
+# weight once, then one GEMM): the kernel reads the packed weight again for every 64 rows. By bytes moved the two
+# meet near 576 rows; not timed.
+FOUR_BIT_KERNEL_MAX_ROWS = 256
+
+
+class FourBitLoRALinear(nn.Module):
+    """What decodes in place of a PEFT LoRA linear over a bitsandbytes 4-bit (nf4 or fp4) base while
+    `MergedAdapters.swapped()` runs: `fastgrpo::nf4_lora_linear` on the live packed weight, its quantization state,
+    the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
+    result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
+    (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
+    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd. A `FourBitStack`
+    (joined.py) runs several that read one input in one launch (`weight_args`, `stack_key`)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        base = layer.base_layer
+        self.__dict__["layer"] = layer  # not a submodule: the LoRA layer is out of the model while this stands in
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.compute_dtype = getattr(base, "compute_dtype", None)
+        self.packed = base.weight.detach()
+        self.quant = quant_state_args(base.weight.quant_state)
+        self.bias = None if base.bias is None else base.bias.detach()
+        self.joined = len(active_adapters(layer)) > 1
+        a, b, self.scaling = lora_factors(layer)
+        self.lora_a, self.lora_b = a.detach(), b.detach()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Joined factors take the adapters' current values (one adapter is read live: nothing to do)."""
+        if self.joined:
+            a, b, _ = lora_factors(self.layer)
+            self.lora_a.copy_(a)
+            self.lora_b.copy_(b)
+
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        return x.numel() <= FOUR_BIT_KERNEL_MAX_ROWS * self.in_features
+
+    def weight_args(self) -> dict:
+        """`nf4_lora_linear`'s arguments for this layer (all but x)."""
+        return dict(packed=self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b, scaling=self.scaling,
+                    bias=self.bias)
+
+    def stack_key(self) -> tuple:
+        """What layers stacked into one launch share (`nf4_lora_linear_stacked`)."""
+        q = self.quant
+        return (self.in_features, self.compute_dtype, self.packed.device, q["blocksize"], "nested_absmax" in q,
+                q.get("nested_blocksize"), q["code_values"], self.lora_a.dtype, self.lora_b.dtype,
+                None if self.bias is None else self.bias.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.takes_kernel(x):
+            return self.layer(x)
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), **self.weight_args())
+        return out.to(x.dtype)
+
+
+def four_bit_member(linear: nn.Module) -> FourBitLoRALinear | None:
+    """The `FourBitLoRALinear` decoding in a swapped-in module's place (itself, or its slice of a `FourBitStack`)."""
+    if isinstance(linear, FourBitLoRALinear):
+        return linear
+    if isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitStack):
+        return linear.joined.members[linear.index]
+    return None
+
+
+def four_bit_key(layer: nn.Module) -> tuple:
+    """What a `FourBitLoRALinear` holds of a layer: when any of it is another tensor, or a scaling changed, it is
+    built again (and graphs that captured the old one are stale)."""
+    base = layer.base_layer
+    names = active_adapters(layer)
+    tensors = [base.weight, base.bias] + [f[n].weight for n in names for f in (layer.lora_A, layer.lora_B)]
+    return (id(base.weight.quant_state), tuple(None if t is None else t.data_ptr() for t in tensors),
+            tuple(float(layer.scaling[n]) for n in names))
