@@ -102,6 +102,12 @@ def floor_bytes(m: int, n: int, k: int, rank: int) -> int:
     return n * k // 2 + blocks + 4 * -(-blocks // 256) + 2 * m * k + 4 * rank * (n + k) + 2 * m * n
 
 
+def rotation(per_copy: int, args) -> int:
+    """Distinct copies a timed call rotates through: at least --copies, and enough for their weights to fill twice
+    the L2 cache (two with --tiny)."""
+    return 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
+
+
 def l2_bytes() -> int:
     if torch.cuda.is_available():
         return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", DEFAULT_L2_BYTES) or DEFAULT_L2_BYTES
@@ -162,7 +168,7 @@ def stacked(args, device: str) -> list[dict]:
     rows_out = []
     for group, names in STACKS.items():
         per_copy = sum(floor_bytes(0, *shapes[name], args.rank) for name in names)
-        copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
+        copies = rotation(per_copy, args)
         k = shapes[names[0]][1]
         members = [[_layer_args(lora_layer(*shapes[name], args.rank, device)) for name in names]
                    for _ in range(copies)]
@@ -227,7 +233,7 @@ def main(argv=None):
     rows_out = []
     for name, (n, k) in projections(args.shape, args.tiny).items():
         per_copy = floor_bytes(0, n, k, args.rank)
-        copies = 2 if args.tiny else min(512, max(args.copies, -(-2 * l2_bytes() // per_copy)))
+        copies = rotation(per_copy, args)
         layers = [lora_layer(n, k, args.rank, device) for _ in range(copies)]
         ours_calls = [_ours_call(layer) for layer in layers]
         for m in args.rows:

@@ -408,13 +408,14 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         values = list(values) if values else [absent] * groups
         return values + [values[0]] * (3 - groups)
 
-    bounds = [sum(tiles[:g]) for g in range(1, 3)]  # N tiles before groups 1 and 2 (unused groups: past the grid)
+    # groups 1 and 2's first N tile (an unused group's: past the grid)
+    starts = [sum(tiles[:g]) if g < groups else grid[0] for g in (1, 2)]
     _nf4_lora_linear_kernel[grid](
         x2, code, out, part, counters,
         *three(packed, None), *three(absmax, None), *three(nested_absmax, absmax[0]), *three(nested_code, code),
         *three(offset, code), *three(lora_a, x2), *three(lora_b, x2), *three(bias, out),
         m, n, k, config["k_per_split"], *(list(widths) + [0] * (3 - groups)),
-        *(b if g < groups else grid[0] for g, b in enumerate(bounds, start=1)),
+        *starts,
         *(ranks + [0] * (3 - groups)), *([float(v) for v in scaling] + [0.0] * (3 - groups)),
         x2.stride(0), x2.stride(1), out.stride(0),
         GROUPS=groups, BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize,
@@ -538,7 +539,7 @@ def _state_args(quant_state) -> dict:
     return args
 
 
-def checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset,
+def _checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset,
                          nested_blocksize, lora_a, lora_b):
     """The 4-bit weight's tensors and the LoRA factors checked against an (n, k) weight (a clear error naming the
     fix otherwise), then as the ops take them: (packed bytes flat as uint8, absmax, code as fp32, nested_absmax as
@@ -595,13 +596,22 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 MAX_STACKED = 3  # weights one launch takes side by side
 
 
+def stack_key(weight: dict) -> tuple:
+    """What the weights of one `nf4_lora_linear_stacked` launch share, from one weight's keyword arguments: K, the
+    blocksize, double quantization and its nested blocksize, the code values, the LoRA factors' dtypes and the bias'
+    dtype (None where absent)."""
+    lora_a, lora_b, bias, values = (weight.get(name) for name in ("lora_a", "lora_b", "bias", "code_values"))
+    return (int(weight["shape"][1]), int(weight.get("blocksize", 64)), int(weight.get("nested_blocksize", 256)),
+            weight.get("nested_absmax") is not None, None if values is None else tuple(float(v) for v in values),
+            None if lora_a is None else (lora_a.dtype, lora_b.dtype), None if bias is None else bias.dtype)
+
+
 def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tensor:
     """x times 1-3 4-bit weights that read it (an attention's q, k and v; an MLP's gate and up), side by side in one
     launch: [..., N_1 + N_2 + ...], each weight's columns as `nf4_lora_linear` gives them. Each entry holds
     `nf4_lora_linear`'s keyword arguments for one weight (packed, code and the rest of `quant_state_args`, lora_a,
-    lora_b, scaling, bias). Stacked weights agree on K, blocksize, double quantization and its nested blocksize, the
-    code (`code_values`, needed for more than one weight), and on having LoRA factors (of one dtype) and a bias (of
-    one dtype) or not."""
+    lora_b, scaling, bias). Stacked weights agree on their `stack_key`, and give `code_values` where there are more
+    than one."""
     if not 1 <= len(weights) <= MAX_STACKED:
         raise ValueError(f"{len(weights)} weights: nf4_lora_linear_stacked takes 1 to {MAX_STACKED}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -618,7 +628,7 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
             raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
         blocksize, nested_blocksize = int(w.get("blocksize", 64)), int(w.get("nested_blocksize", 256))
         lora_a, lora_b, bias = w.get("lora_a"), w.get("lora_b"), w.get("bias")
-        flat, absmax, w_code, nested_absmax, nested_code, offset = checked_quantization(
+        flat, absmax, w_code, nested_absmax, nested_code, offset = _checked_quantization(
             w["packed"], w["absmax"], w["code"], n, k, blocksize, w.get("nested_absmax"), w.get("nested_code"),
             w.get("offset"), nested_blocksize, lora_a, lora_b)
         if bias is not None and bias.shape != (n,):
@@ -626,11 +636,9 @@ def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tenso
         values = w.get("code_values")
         if values is not None and len(values) != 16:
             raise ValueError(f"{len(values)} code_values: expected code's 16 values")
-        values = None if values is None else [float(v) for v in values]
-        this = (k, blocksize, nested_blocksize, nested_absmax is not None, values,
-                None if lora_a is None else (lora_a.dtype, lora_b.dtype), None if bias is None else bias.dtype)
+        this = stack_key(w)
         if agreed is None:
-            agreed, code, code_values = this, w_code, values
+            agreed, code, code_values = this, w_code, None if values is None else [float(v) for v in values]
         elif this != agreed or values is None:
             raise ValueError("stacked weights must agree on K, blocksize, double quantization, code_values (given for "
                              "each: quant_state_args gives them), LoRA factors' presence and dtypes and bias' "

@@ -238,14 +238,16 @@ class MergedAdapters:
     @property
     def joined_groups(self) -> int:
         """Groups of projections decoding as one GEMM (`joined.py`)."""
-        return len({id(e.linear.joined) for e in self._entries
-                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, JoinedProjections)})
+        return self._groups(JoinedProjections)
 
     @property
     def stacked_groups(self) -> int:
         """Groups of 4-bit layers decoding in one launch (`FourBitStack`)."""
+        return self._groups(FourBitStack)
+
+    def _groups(self, kind: type) -> int:
         return len({id(e.linear.joined) for e in self._entries
-                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, FourBitStack)})
+                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, kind)})
 
     def release(self) -> None:
         self._entries, self._key = [], ()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastgrpo.integrations.generation.joined import FourBitStack, JoinedSlice
-from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args
+from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args, stack_key
 
 # 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
 # `FourBitStack`): 7 launches a layer become 4 (at 8 rows the kernel takes 5-7 us a launch on the 1.5B shape's q, k
@@ -134,11 +134,8 @@ class FourBitLoRALinear(nn.Module):
                     bias=self.bias)
 
     def stack_key(self) -> tuple:
-        """What layers stacked into one launch share (`nf4_lora_linear_stacked`)."""
-        q = self.quant
-        return (self.in_features, self.compute_dtype, self.packed.device, q["blocksize"], "nested_absmax" in q,
-                q.get("nested_blocksize"), q["code_values"], self.lora_a.dtype, self.lora_b.dtype,
-                None if self.bias is None else self.bias.dtype)
+        """What layers stacked into one launch share: the kernel's `stack_key`, the compute dtype and the device."""
+        return self.compute_dtype, self.packed.device, *stack_key(self.weight_args())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.takes_kernel(x):
