@@ -19,6 +19,7 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # row count (columns a tile, warps, programs per SM) in
                                                        # both forms (register table, joined)
     python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
+    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 2 4 --stages 1 3 5 --projections gate/up
     python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
     python bench/bench_nf4_linear.py --stacked         # GPU: q/k/v and gate/up as one `nf4_lora_linear_stacked`
                                                        # launch a group against a launch a projection
@@ -114,11 +115,16 @@ def l2_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
-# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x programs per SM, in
-# either form: the register table's even/odd products (lut) or the weight's columns joined.
+# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x pipeline stages x
+# programs per SM (--warps, --stages and --per-sm choose among them), in either form: the register table's even/odd
+# products (lut) or the weight's columns joined.
 FORMS = {"lut": True, "joined": False}
-LAUNCHES = [dict(block_n=bn, warps=w, stages=3, per_sm=ps) for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
-            for ps in (2, 4, 8)]
+TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
+
+
+def launches(args) -> list[dict]:
+    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps) for bn, w in TILES if w in args.warps
+            for s in args.stages for ps in args.per_sm]
 
 
 def sweep_settings(config: dict):
@@ -137,15 +143,15 @@ def _name(config: dict) -> str:
 
 def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
     """GPU time per call of each swept setting (the rotation `ours`), fastest first, each setting's output checked
-    first (`check()`); one row for the results. `args.sweep`: all (LAUNCHES in both forms), a form's name (LAUNCHES in
-    it), or forms (the launch as it is, in each form)."""
+    first (`check()`); one row for the results. `args.sweep`: all (`launches` in both forms), a form's name (`launches`
+    in it), or forms (the launch as it is, in each form)."""
     block_n, per_sm, _ = nf4_module.tile_settings(m)
     if args.sweep == "forms":
         configs = [dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
                         lut=lut) for lut in FORMS.values()]
     else:
         forms = FORMS.values() if args.sweep == "all" else [FORMS[args.sweep]]
-        configs = [dict(launch, lut=lut) for lut in forms for launch in LAUNCHES]
+        configs = [dict(launch, lut=lut) for lut in forms for launch in launches(args)]
     for config in configs:
         with harness.patched(*sweep_settings(config)):
             check(f"{name} rows {m} at {_name(config)}")
@@ -214,6 +220,10 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="?", const="all", choices=["all", "forms", *FORMS],
                    help="time the kernel's launch settings (GPU): in both forms (all), in one (lut, joined), or the "
                    "launch as it is in each form (forms)")
+    p.add_argument("--projections", nargs="+", help="only these projections (default: all the shape's)")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="--sweep: the warps of the swept tiles")
+    p.add_argument("--stages", type=int, nargs="+", default=[3], help="--sweep: pipeline stages")
+    p.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8], help="--sweep: programs an SM")
     p.add_argument("--stacked", action="store_true",
                    help="time q/k/v and gate/up as one launch a group against a launch a projection")
     args = p.parse_args(argv)
@@ -232,6 +242,8 @@ def main(argv=None):
     bandwidth = harness.COPY_TBPS * 1e12
     rows_out = []
     for name, (n, k) in projections(args.shape, args.tiny).items():
+        if args.projections and name not in args.projections:
+            continue
         per_copy = floor_bytes(0, n, k, args.rank)
         copies = rotation(per_copy, args)
         layers = [lora_layer(n, k, args.rank, device) for _ in range(copies)]
