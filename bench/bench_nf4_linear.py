@@ -19,7 +19,7 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # row count (columns a tile, warps, programs per SM) in
                                                        # both forms (register table, joined)
     python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
-    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 2 4 --stages 1 3 5 --projections gate/up
+    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 4 --per-sm 2 --prefetch 0 4 8 --projections gate/up
     python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
     python bench/bench_nf4_linear.py --stacked         # GPU: q/k/v and gate/up as one `nf4_lora_linear_stacked`
                                                        # launch a group against a launch a projection
@@ -123,8 +123,8 @@ TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 def launches(args) -> list[dict]:
-    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps) for bn, w in TILES if w in args.warps
-            for s in args.stages for ps in args.per_sm]
+    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps, prefetch=pf) for bn, w in TILES if w in args.warps
+            for s in args.stages for ps in args.per_sm for pf in args.prefetch or [nf4_module._LUT_PREFETCH]]
 
 
 def sweep_settings(config: dict):
@@ -133,12 +133,12 @@ def sweep_settings(config: dict):
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_FEW_ROWS_LUT", config["lut"]),
-            (nf4_module, "_LUT", config["lut"])]
+            (nf4_module, "_LUT", config["lut"]), (nf4_module, "_LUT_PREFETCH", config["prefetch"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + (" lut" if config["lut"] else " joined"))
+            + (f" lut prefetch {config['prefetch']}" if config["lut"] else " joined"))
 
 
 def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
@@ -148,7 +148,7 @@ def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> 
     block_n, per_sm, _ = nf4_module.tile_settings(m)
     if args.sweep == "forms":
         configs = [dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
-                        lut=lut) for lut in FORMS.values()]
+                        prefetch=nf4_module._LUT_PREFETCH, lut=lut) for lut in FORMS.values()]
     else:
         forms = FORMS.values() if args.sweep == "all" else [FORMS[args.sweep]]
         configs = [dict(launch, lut=lut) for lut in forms for launch in launches(args)]
@@ -224,6 +224,8 @@ def main(argv=None):
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="--sweep: the warps of the swept tiles")
     p.add_argument("--stages", type=int, nargs="+", default=[3], help="--sweep: pipeline stages")
     p.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8], help="--sweep: programs an SM")
+    p.add_argument("--prefetch", type=int, nargs="+", help="--sweep: steps the register-table form asks L2 for ahead "
+                   "(default: the kernel's)")
     p.add_argument("--stacked", action="store_true",
                    help="time q/k/v and gate/up as one launch a group against a launch a projection")
     args = p.parse_args(argv)

@@ -73,6 +73,7 @@ _FEW_ROWS_BLOCK_N = 64
 # 4 programs an SM) the joined form is faster at every projection (gate/up 33.2 us against 47.0).
 _FEW_ROWS_LUT = True
 _LUT = False
+_LUT_PREFETCH = 4
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -99,6 +100,16 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
     else:
         nested = stat
     return packed, stat, nested
+
+
+@triton.jit
+def _prefetch_step(w_row_starts, k, k_hi, BK: tl.constexpr):
+    """Asks L2 for each weight row's packed bytes of the step at k (the last step where k is past k_hi): one
+    `prefetch.global.L2` a row (a step's BK/2 bytes of a row lie in one 32-byte sector at BK <= 64)."""
+    step = tl.minimum(k, k_hi - BK) // 2
+    addresses = (w_row_starts + step).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -132,7 +143,7 @@ def _nf4_lora_linear_kernel(
     NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
-    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -199,7 +210,13 @@ def _nf4_lora_linear_kernel(
     x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
     if LORA:
         a_next = tl.load(a_rows + (k_lo + kk)[None, :], mask=r_ok[:, None], other=0.0)
+    if PREFETCH:
+        w_row_starts = w_ptr + rn.to(tl.int64) * (K // 2)
+        for d in tl.static_range(PREFETCH):
+            _prefetch_step(w_row_starts, k_lo + d * BK, k_hi, BK)
     for k in range(k_lo, k_hi, BK):
+        if PREFETCH:
+            _prefetch_step(w_row_starts, k + PREFETCH * BK, k_hi, BK)
         packed, stat, nested = p1, s1, t1
         x = x1
         x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
@@ -421,7 +438,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         GROUPS=groups, BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize,
         NESTED_BLOCKSIZE=nested_blocksize, R_PAD=max(16, next_power_of_2(max(ranks))), SPLITS=splits, NESTED=nested,
         LORA=lora, BIAS=has_bias, NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut,
-        LUT_HIGH=lut_high, LUT_LOW=lut_low, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        LUT_HIGH=lut_high, LUT_LOW=lut_low, PREFETCH=_LUT_PREFETCH if use_lut and native else 0, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
