@@ -98,13 +98,15 @@ def launch_source(launch: dict):
     """(triton.compiler.ASTSource, constexprs) of a launch `_record_launches` recorded, made with the Triton of the
     process that builds it (this module's compile step, and bench/kernel_resources.py's)."""
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for name, (kind, value) in launch["args"].items():
-        if kind == "type":
+        if kind in ("type", "type16"):
             signature[name] = value
+            if kind == "type16":
+                attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
         else:
             signature[name], constexprs[name] = "constexpr", tl.dtype(value) if kind == "tl_dtype" else value
-    return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs), constexprs
+    return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), constexprs
 
 
 def _scalar_type(value) -> str:
@@ -115,15 +117,22 @@ def _scalar_type(value) -> str:
     return "fp32"
 
 
-def _describe(value, constexpr: bool) -> tuple[str, object]:
+def _describe(value, constexpr: bool, specialize: bool = True) -> tuple[str, object]:
     """What the compiled kernel depends on: a constexpr's value (a Triton dtype by name), a tensor's pointer
-    type, a runtime scalar's type."""
+    type, a runtime scalar's type; specialized as Triton's launcher specializes (unless `specialize` is off, its
+    `do_not_specialize`): an int equal to 1 is the constant 1, and an int or a tensor's address divisible by 16 is
+    marked so ("type16"), which lets loads vectorize (without it the builds read a kernel the GPU never runs)."""
     if isinstance(value, tl.dtype):
         return "tl_dtype", value.name
     if constexpr or value is None:
         return "constexpr", value
     if isinstance(value, torch.Tensor):
-        return "type", _TENSOR_TYPES[value.dtype]
+        return "type16" if value.data_ptr() % 16 == 0 else "type", _TENSOR_TYPES[value.dtype]
+    if specialize and isinstance(value, int) and not isinstance(value, bool):
+        if value == 1:
+            return "constexpr", 1
+        if value % 16 == 0:
+            return "type16", _scalar_type(value)
     return "type", _scalar_type(value)
 
 
@@ -136,10 +145,12 @@ def _record_launches(run_ops) -> list[dict]:
         named = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
         params = inspect.signature(self.fn).parameters
         constexpr = {n for n, p in params.items() if p.annotation in (tl.constexpr, "tl.constexpr")}
+        unspecialized = set(self.kwargs.get("do_not_specialize") or ())
         record = {
             "module": self.fn.__module__,
             "name": self.fn.__name__,
-            "args": {name: _describe(value, name in constexpr) for name, value in named.items()},
+            "args": {name: _describe(value, name in constexpr, name not in unspecialized)
+                     for name, value in named.items()},
             "options": {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
         }
         launches[json.dumps(record, sort_keys=True)] = record

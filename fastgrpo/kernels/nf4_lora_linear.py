@@ -191,7 +191,9 @@ def _nf4_lora_linear_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * (K // 2)  # (LUT: the step's bytes as a [BK/2, BN] tile)
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+    # x rows past M and A rows past the rank read the last real one (unmasked loads: their products land in output
+    # rows the store masks, or meet B's zeroed columns), and a step past k_hi re-reads the split's last step
+    x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * sxm
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
         offset = tl.load(offset_ptr).to(tl.float32)
@@ -201,15 +203,15 @@ def _nf4_lora_linear_kernel(
     if LORA:
         rr = tl.arange(0, R_PAD)
         r_ok = rr < rank
-        a_rows = a_ptr + rr[:, None] * K
+        a_rows = a_ptr + tl.minimum(rr, rank - 1)[:, None] * K
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, not LUT)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, not LUT)
-    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk, mask=m_ok[:, None], other=0.0)
+    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk)
     if LORA:
-        a_next = tl.load(a_rows + (k_lo + kk)[None, :], mask=r_ok[:, None], other=0.0)
+        a_next = tl.load(a_rows + (k_lo + kk)[None, :])
     if PREFETCH:
         w_row_starts = w_ptr + rn.to(tl.int64) * (K // 2)
         for d in tl.static_range(PREFETCH):
@@ -219,12 +221,11 @@ def _nf4_lora_linear_kernel(
             _prefetch_step(w_row_starts, k + PREFETCH * BK, k_hi, BK)
         packed, stat, nested = p1, s1, t1
         x = x1
-        x1 = tl.load(x_rows + (k + BK + kk)[None, :] * sxk, mask=m_ok[:, None] & (k + BK + kk < k_hi)[None, :],
-                     other=0.0)
+        k_next = tl.minimum(k + BK, k_hi - BK)
+        x1 = tl.load(x_rows + (k_next + kk)[None, :] * sxk)
         if LORA:
             a = a_next
-            a_next = tl.load(a_rows + (k + BK + kk)[None, :], mask=r_ok[:, None] & (k + BK + kk < k_hi)[None, :],
-                             other=0.0)
+            a_next = tl.load(a_rows + (k_next + kk)[None, :])
         p1, s1, t1 = p2, s2, t2
         p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
                                  BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, not LUT)
