@@ -86,7 +86,8 @@ def build(path: str, triton_dir: str | None, only: list[str]) -> list[dict]:
 
 
 def _short(constexprs: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in constexprs.items() if k.isupper() and not k.endswith("DTYPE"))
+    return " ".join(f"{k}={v}" for k, v in constexprs.items()
+                    if k.isupper() and not k.endswith("DTYPE") and len(str(v)) <= 16)  # (not inline PTX)
 
 
 def main(argv=None) -> int:
