@@ -123,7 +123,8 @@ TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 def launches(args) -> list[dict]:
-    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps, prefetch=pf) for bn, w in TILES if w in args.warps
+    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps, prefetch=pf) for bn, w in TILES
+            if w in args.warps and (not args.block_n or bn in args.block_n)
             for s in args.stages for ps in args.per_sm for pf in args.prefetch or [nf4_module._LUT_PREFETCH]]
 
 
@@ -222,6 +223,7 @@ def main(argv=None):
                    "launch as it is in each form (forms)")
     p.add_argument("--projections", nargs="+", help="only these projections (default: all the shape's)")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="--sweep: the warps of the swept tiles")
+    p.add_argument("--block-n", type=int, nargs="+", help="--sweep: only tiles of these widths")
     p.add_argument("--stages", type=int, nargs="+", default=[3], help="--sweep: pipeline stages")
     p.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8], help="--sweep: programs an SM")
     p.add_argument("--prefetch", type=int, nargs="+", help="--sweep: steps the register-table form asks L2 for ahead "

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels import _dispatch
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
 
 MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
@@ -74,6 +75,7 @@ _FEW_ROWS_BLOCK_N = 64
 _FEW_ROWS_LUT = True
 _LUT = False
 _LUT_PREFETCH = 4
+_DEPENDENT_LAUNCH = True  # launched as a programmatic dependent of the kernel before (sm_90+, `_dispatch`)
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -143,7 +145,7 @@ def _nf4_lora_linear_kernel(
     NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
-    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, PREFETCH: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, PREFETCH: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -209,13 +211,19 @@ def _nf4_lora_linear_kernel(
                              NESTED_BLOCKSIZE, NESTED, not LUT)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, not LUT)
-    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk)
     if LORA:
         a_next = tl.load(a_rows + (k_lo + kk)[None, :])
     if PREFETCH:
         w_row_starts = w_ptr + rn.to(tl.int64) * (K // 2)
         for d in tl.static_range(PREFETCH):
             _prefetch_step(w_row_starts, k_lo + d * BK, k_hi, BK)
+    if DEPENDENT_LAUNCH:
+        # Launched as a programmatic dependent: everything above reads the weights, which no kernel writes; x, the
+        # partials, the counters and the output wait for the kernel before to finish. The kernel after (another
+        # projection's, reading its own weights first) may launch from here.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk)
     for k in range(k_lo, k_hi, BK):
         if PREFETCH:
             _prefetch_step(w_row_starts, k + PREFETCH * BK, k_hi, BK)
@@ -439,7 +447,9 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         GROUPS=groups, BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize,
         NESTED_BLOCKSIZE=nested_blocksize, R_PAD=max(16, next_power_of_2(max(ranks))), SPLITS=splits, NESTED=nested,
         LORA=lora, BIAS=has_bias, NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut,
-        LUT_HIGH=lut_high, LUT_LOW=lut_low, PREFETCH=_LUT_PREFETCH if use_lut and native else 0, REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        LUT_HIGH=lut_high, LUT_LOW=lut_low, PREFETCH=_LUT_PREFETCH if use_lut and native else 0,
+        **(_dispatch.dependent_launch_args(x2) if _DEPENDENT_LAUNCH else {"DEPENDENT_LAUNCH": False}),
+        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
