@@ -106,8 +106,9 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
 
 @triton.jit
 def _prefetch_step(w_row_starts, k, k_hi, BK: tl.constexpr):
-    """Asks L2 for each weight row's packed bytes of the step at k (the last step where k is past k_hi): one
-    `prefetch.global.L2` a row (a step's BK/2 bytes of a row lie in one 32-byte sector at BK <= 64)."""
+    """Asks L2 for each weight row's packed bytes of the step at k (the split's last step where k is past it): one
+    `prefetch.global.L2` a row, for the line that holds the step's first byte (a step's BK/2 <= 64 bytes start at a
+    multiple of BK/2)."""
     step = tl.minimum(k, k_hi - BK) // 2
     addresses = (w_row_starts + step).to(tl.int64, bitcast=True)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
