@@ -212,3 +212,27 @@ def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, stack, monkeypat
         assert generator.generate(batch, temperature=0, return_logprobs=True) == replayed
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+def test_cuda_lora_factors_in_the_compute_dtype_follow_the_adapters():
+    """On CUDA with a bf16 compute dtype the kernel reads bf16 copies of the fp32 LoRA factors
+    (`four_bit.FACTORS_IN_COMPUTE_DTYPE`), refreshed at every call: an optimizer-style update of the adapters between
+    two calls of one generator decodes as a new generator's call decodes it."""
+    from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear
+
+    torch._dynamo.reset()
+    model = qlora_lm(dtype=torch.bfloat16, device="cuda")
+    layer = next(m for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    member = FourBitLoRALinear(layer)
+    assert member.copied and member.lora_a.dtype == member.lora_b.dtype == torch.bfloat16
+    batch = [p for p in prompts() for _ in range(4)]
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
+    first = generator.generate(batch, temperature=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    second = generator.generate(batch, temperature=0)
+    fresh = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12).generate(batch, temperature=0)
+    assert second != first and second == fresh

@@ -21,6 +21,10 @@ from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, q
 # tests/test_generation_qlora.py' QLORA_AB="fastgrpo.integrations.generation.four_bit.STACK_FOUR_BIT=True;;" bash
 # bench/device_session.sh tests_failed qlora_ab` checks and times it.
 STACK_FOUR_BIT = False
+# On CUDA with a compute dtype set, the LoRA factors the kernel reads are copies in that dtype, refreshed at every call
+# (the kernel rounds them to it before its dots, so the products are the same bits): every column tile of a launch reads
+# A over its K range, twice the weight's bytes at rank 16 in fp32.
+FACTORS_IN_COMPUTE_DTYPE = True
 
 
 def active_adapters(layer: nn.Module) -> list[str]:
@@ -98,9 +102,10 @@ FOUR_BIT_KERNEL_MAX_ROWS = 256
 class FourBitLoRALinear(nn.Module):
     """What decodes in place of a PEFT LoRA linear over a bitsandbytes 4-bit (nf4 or fp4) base while
     `MergedAdapters.swapped()` runs: `fastgrpo::nf4_lora_linear` on the live packed weight, its quantization state,
-    the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
-    result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
-    (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
+    the base's bias and the LoRA factors, in the base's compute dtype, the result in x's dtype (PEFT's maths with one
+    rounding). One active adapter in the compute dtype is read live; several are joined (`lora_factors`), and on CUDA
+    fp32 factors are cast to the compute dtype (FACTORS_IN_COMPUTE_DTYPE), into factors held here and refreshed at
+    every call (`refresh`). Inputs of more than
     FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd. A `FourBitStack`
     (joined.py) runs several that read one input in one launch (`weight_args`, `stack_key`)."""
 
@@ -113,14 +118,20 @@ class FourBitLoRALinear(nn.Module):
         self.packed = base.weight.detach()
         self.quant = quant_state_args(base.weight.quant_state)
         self.bias = None if base.bias is None else base.bias.detach()
-        self.joined = len(active_adapters(layer)) > 1
         a, b, self.scaling = lora_factors(layer)
-        self.lora_a, self.lora_b = a.detach(), b.detach()
+        cast = (FACTORS_IN_COMPUTE_DTYPE and a is not None and self.packed.is_cuda
+                and self.compute_dtype not in (None, a.dtype))
+        self.joined = len(active_adapters(layer)) > 1  # several adapters' factors joined into one
+        self.copied = cast or self.joined
+        if cast:
+            a, b = a.to(self.compute_dtype), b.to(self.compute_dtype)
+        self.lora_a, self.lora_b = (None, None) if a is None else (a.detach(), b.detach())
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Joined factors take the adapters' current values (one adapter is read live: nothing to do)."""
-        if self.joined:
+        """Factors held as copies (several adapters joined, or cast to the compute dtype) take the adapters' current
+        values; one adapter in its own dtype is read live."""
+        if self.copied:
             a, b, _ = lora_factors(self.layer)
             self.lora_a.copy_(a)
             self.lora_b.copy_(b)
