@@ -430,3 +430,16 @@ def test_every_kernel_compiles_for_sm90(triton_dir):
     result = _compile_for_sm90(launches, triton_dir)
     print(f"{len(launches)} launches of {len(names)} kernels compiled for sm_90, "
           f"largest shared memory {result['largest_shared']} bytes")
+
+
+def test_launches_are_recorded_specialized_as_the_launcher_specializes():
+    """An int argument of 1 is recorded as the constant 1, a 16-divisible int or address as such ("type16"), other
+    values by type, and an argument in the kernel's `do_not_specialize` by type only (lora_merge's fix_cap)."""
+    assert _describe(1, False) == ("constexpr", 1)
+    assert _describe(48, False) == ("type16", "i32")
+    assert _describe(40, False) == ("type", "i32")
+    assert _describe(True, False) == ("type", "i1")
+    assert _describe(1, False, specialize=False) == ("type", "i32")
+    assert _describe(torch.zeros(4)[1:], False) == ("type", "*fp32")  # an address 4 bytes past an aligned one
+    merges = [r for r in _record_launches(_run_every_op) if r["name"] == "_lora_merge_kernel"]
+    assert merges and all(r["args"]["fix_cap"][0] == "type" for r in merges)
