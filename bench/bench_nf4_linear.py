@@ -19,10 +19,8 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # row count (columns a tile, warps, programs per SM) in
                                                        # both forms (register table, joined)
     python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
-    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 4 --per-sm 2 --prefetch 0 4 8 --projections gate/up
+    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 4 --per-sm 2 4 --projections gate/up
     python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
-    python bench/bench_nf4_linear.py --stacked         # GPU: q/k/v and gate/up as one `nf4_lora_linear_stacked`
-                                                       # launch a group against a launch a projection
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Every swept setting's output is checked against bitsandbytes + PEFT before it is timed. Rows are appended to
 bench/results/bench_nf4_linear.jsonl (not with --tiny).
@@ -38,12 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import _harness as harness  # noqa: E402
 from fastgrpo.kernels import nf4_lora_linear as nf4_module  # noqa: E402
-from fastgrpo.kernels.nf4_lora_linear import (  # noqa: E402
-    launch_config,
-    nf4_lora_linear,
-    nf4_lora_linear_stacked,
-    quant_state_args,
-)
+from fastgrpo.kernels.nf4_lora_linear import launch_config, nf4_lora_linear, quant_state_args  # noqa: E402
 
 BLOCKSIZE = 64
 SCALING = 2.0
@@ -123,9 +116,8 @@ TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 def launches(args) -> list[dict]:
-    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps, prefetch=pf) for bn, w in TILES
-            if w in args.warps and (not args.block_n or bn in args.block_n)
-            for s in args.stages for ps in args.per_sm for pf in args.prefetch or [nf4_module._LUT_PREFETCH]]
+    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps) for bn, w in TILES
+            if w in args.warps and (not args.block_n or bn in args.block_n) for s in args.stages for ps in args.per_sm]
 
 
 def sweep_settings(config: dict):
@@ -134,12 +126,12 @@ def sweep_settings(config: dict):
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_FEW_ROWS_LUT", config["lut"]),
-            (nf4_module, "_LUT", config["lut"]), (nf4_module, "_LUT_PREFETCH", config["prefetch"])]
+            (nf4_module, "_LUT", config["lut"])]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + (f" lut prefetch {config['prefetch']}" if config["lut"] else " joined"))
+            + (" lut" if config["lut"] else " joined"))
 
 
 def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
@@ -149,7 +141,7 @@ def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> 
     block_n, per_sm, _ = nf4_module.tile_settings(m)
     if args.sweep == "forms":
         configs = [dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
-                        prefetch=nf4_module._LUT_PREFETCH, lut=lut) for lut in FORMS.values()]
+                        lut=lut) for lut in FORMS.values()]
     else:
         forms = FORMS.values() if args.sweep == "all" else [FORMS[args.sweep]]
         configs = [dict(launch, lut=lut) for lut in forms for launch in launches(args)]
@@ -163,52 +155,6 @@ def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> 
     return dict(shape=args.shape, projection=name, rows=m, n=n, k=k, rank=args.rank, copies=copies, sweep=True,
                 now_us=now * 1e3 / copies, best_us=best_ms * 1e3 / copies, best=best,
                 timings_us={_name(c): t * 1e3 / copies for t, c in timings})
-
-
-STACKS = {"q/k/v": ("q", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}  # the projections one launch takes
-
-
-def stacked(args, device: str) -> list[dict]:
-    """Each STACKS group as one `nf4_lora_linear_stacked` launch against one `nf4_lora_linear` launch a projection,
-    rotating through enough copies of the group to miss L2; the stacked output checked against the separate ones."""
-    shapes = projections(args.shape, args.tiny)
-    rows_out = []
-    for group, names in STACKS.items():
-        per_copy = sum(floor_bytes(0, *shapes[name], args.rank) for name in names)
-        copies = rotation(per_copy, args)
-        k = shapes[names[0]][1]
-        members = [[_layer_args(lora_layer(*shapes[name], args.rank, device)) for name in names]
-                   for _ in range(copies)]
-        weights = [[dict(packed=packed, **kwargs, bias=bias) for packed, kwargs, bias in copy] for copy in members]
-        for m in args.rows:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            with torch.no_grad():
-                apart = torch.cat([nf4_lora_linear(x, **w) for w in weights[0]], dim=-1).float()
-                joint = nf4_lora_linear_stacked(x, weights[0]).float()
-                err = (joint - apart).abs().max().item() / max(1.0, apart.abs().max().item())
-                assert err < 1e-2, f"{group} rows {m}: stacked and separate launches differ by {err:.3g} (relative)"
-
-                def separate():
-                    for copy in weights:
-                        for w in copy:
-                            nf4_lora_linear(x, **w)
-
-                def one_launch():
-                    for copy in weights:
-                        nf4_lora_linear_stacked(x, copy)
-
-                separate_us = harness.graph_ms(separate) * 1e3 / copies
-                stacked_us = harness.graph_ms(one_launch) * 1e3 / copies
-            row = dict(shape=args.shape, group=group, rows=m, rank=args.rank, copies=copies, stacked=True,
-                       separate_us=separate_us, stacked_us=stacked_us, speedup=separate_us / stacked_us,
-                       max_rel_err=err)
-            harness.emit(row)
-            rows_out.append(row)
-    print(harness.md_header("group", "rows", "copies", "a launch a projection us", "one launch us", "speed-up"))
-    for r in rows_out:
-        print(harness.md_row(r["group"], r["rows"], r["copies"], f"{r['separate_us']:.1f}", f"{r['stacked_us']:.1f}",
-                             f"{r['speedup']:.2f}x"))
-    return rows_out
 
 
 def main(argv=None):
@@ -226,10 +172,6 @@ def main(argv=None):
     p.add_argument("--block-n", type=int, nargs="+", help="--sweep: only tiles of these widths")
     p.add_argument("--stages", type=int, nargs="+", default=[3], help="--sweep: pipeline stages")
     p.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8], help="--sweep: programs an SM")
-    p.add_argument("--prefetch", type=int, nargs="+", help="--sweep: steps the register-table form asks L2 for ahead "
-                   "(default: the kernel's)")
-    p.add_argument("--stacked", action="store_true",
-                   help="time q/k/v and gate/up as one launch a group against a launch a projection")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -238,11 +180,6 @@ def main(argv=None):
     if args.tiny:
         torch.set_num_threads(1)  # tiny CPU matmuls: more threads only contend
     torch.manual_seed(0)
-    if args.stacked:
-        rows_out = stacked(args, device)
-        if not args.tiny:
-            harness.record("bench_nf4_linear", rows_out, argv)
-        return rows_out
     bandwidth = harness.COPY_TBPS * 1e12
     rows_out = []
     for name, (n, k) in projections(args.shape, args.tiny).items():

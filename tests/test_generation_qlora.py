@@ -77,14 +77,10 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
 
 
-@pytest.mark.parametrize("stack", [False, True])
-def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(stack, monkeypatch):
-    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer, q/k/v and gate/up
-    stacked into one launch a group or not (`STACK_FOUR_BIT`)."""
-    from fastgrpo.integrations.generation import four_bit
+def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
+    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer."""
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
-    monkeypatch.setattr(four_bit, "STACK_FOUR_BIT", stack)
     torch._dynamo.reset()
     model = qlora_lm()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=5, compile=True, compile_backend="eager")
@@ -93,7 +89,6 @@ def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(stack, monkeyp
         assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 5, eos=VOCAB + 1)
     assert generator.engine.backend.compiles == 1
     assert generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
-    assert generator.engine._merged.stacked_groups == (4 if stack else 0)  # (2 layers)
 
 
 def test_qlora_several_active_adapters_and_disabled_adapters():
@@ -186,16 +181,11 @@ def test_qlora_kernel_modules_are_put_back_after_an_exception():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stack", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, stack, monkeypatch):
+def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype):
     """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps. fp32: the greedy tokens
     of PEFT's forward; bf16: within the engine's own check against PEFT's forward (no fallback warning). Calls that
-    replay every step give the same bits (the kernel's split-K sum has a fixed order). q/k/v and gate/up stacked
-    into one launch a group or not."""
-    from fastgrpo.integrations.generation import four_bit
-
-    monkeypatch.setattr(four_bit, "STACK_FOUR_BIT", stack)
+    replay every step give the same bits (the kernel's split-K sum has a fixed order)."""
     torch._dynamo.reset()
     model = qlora_lm(dtype=dtype, device="cuda")
     batch = [p for p in prompts() for _ in range(4)]
@@ -212,27 +202,3 @@ def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, stack, monkeypat
         assert generator.generate(batch, temperature=0, return_logprobs=True) == replayed
     finally:
         context.__exit__(None, None, None)
-
-
-@pytest.mark.gpu
-def test_cuda_lora_factors_in_the_compute_dtype_follow_the_adapters():
-    """On CUDA with a bf16 compute dtype the kernel reads bf16 copies of the fp32 LoRA factors
-    (`four_bit.FACTORS_IN_COMPUTE_DTYPE`), refreshed at every call: an optimizer-style update of the adapters between
-    two calls of one generator decodes as a new generator's call decodes it."""
-    from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear
-
-    torch._dynamo.reset()
-    model = qlora_lm(dtype=torch.bfloat16, device="cuda")
-    layer = next(m for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
-    member = FourBitLoRALinear(layer)
-    assert member.copied and member.lora_a.dtype == member.lora_b.dtype == torch.bfloat16
-    batch = [p for p in prompts() for _ in range(4)]
-    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12)
-    first = generator.generate(batch, temperature=0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(-3.0)
-    second = generator.generate(batch, temperature=0)
-    fresh = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=12).generate(batch, temperature=0)
-    assert second != first and second == fresh

@@ -3,8 +3,6 @@ quantization, storage dtypes); the Triton kernel (interpreter) against a float64
 rows, shapes, blocksizes, double quantization, bias, LoRA ranks and dtypes, and K splits; the op's schema and fake
 implementation; a PEFT LoRA over a bitsandbytes Linear4bit through `nf4_lora_linear_from_module`; real shapes on a
 GPU against bitsandbytes' dequantize + F.linear + the LoRA term, eagerly and replayed in a CUDA graph."""
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +19,6 @@ from fastgrpo.kernels.nf4_lora_linear import (
     launch_config,
     lut_asm,
     nf4_lora_linear,
-    nf4_lora_linear_stacked,
     quant_state_args,
     reference_dequantize_nf4,
     reference_nf4_lora_linear,
@@ -94,27 +91,22 @@ def _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strid
 
 
 def _op_args(inputs):
-    """The op's positional arguments (one weight) after `nf4_lora_linear`'s normalization."""
+    """The op's positional arguments after `nf4_lora_linear`'s normalization."""
     k = inputs["x"].shape[-1]
     n = inputs["shape"][0]
-
-    def listed(name):
-        return [] if inputs.get(name) is None else [inputs[name]]
-
-    offset = [] if inputs.get("offset") is None else [inputs["offset"].reshape(())]
-    return (inputs["x"], [inputs["packed"].reshape(-1).view(torch.uint8)], [inputs["absmax"]], inputs["code"],
-            listed("nested_absmax"), listed("nested_code"), offset, inputs["blocksize"],
-            inputs.get("nested_blocksize", 256), [n], listed("lora_a"), listed("lora_b"), [inputs["scaling"]],
-            listed("bias"), inputs.get("code_values")), (n, k)
+    return (inputs["x"], inputs["packed"].reshape(-1).view(torch.uint8), inputs["absmax"], inputs["code"],
+            inputs.get("nested_absmax"), inputs.get("nested_code"),
+            None if inputs.get("offset") is None else inputs["offset"].reshape(()), inputs["blocksize"],
+            inputs.get("nested_blocksize", 256), n, inputs.get("lora_a"), inputs.get("lora_b"), inputs["scaling"],
+            inputs["bias"], inputs.get("code_values")), (n, k)
 
 
 def expected(inputs):
     """The float64 reference: the weight rounded to x's dtype as the kernel takes it, the rest in float64."""
-    i = inputs
-    return reference_nf4_lora_linear(
-        i["x"], i["packed"].reshape(-1).view(torch.uint8), i["absmax"], i["code"], i.get("nested_absmax"),
-        i.get("nested_code"), i.get("offset"), i["blocksize"], i.get("nested_blocksize", 256), tuple(i["shape"]),
-        i.get("lora_a"), i.get("lora_b"), i["scaling"], i["bias"], compute_dtype=torch.float64)
+    args, shape = _op_args(inputs)
+    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _ = args
+    return reference_nf4_lora_linear(x, packed, absmax, code, nabs, ncode, offset, bs, nbs, shape, a, b, scaling, bias,
+                                     compute_dtype=torch.float64)
 
 
 def check(out, inputs):
@@ -147,50 +139,6 @@ def test_triton_kernel_matches_the_float64_reference(params):
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
-
-
-stacked_cases = st.tuples(
-    st.integers(0, 2**16), st.integers(1, 24), st.lists(st.integers(1, 100), min_size=2, max_size=3),
-    st.integers(1, 3), st.sampled_from([32, 64]), st.booleans(), st.booleans(),
-    st.lists(st.sampled_from([1, 8, 16]), min_size=3, max_size=3), st.booleans(),
-    st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), st.integers(1, 3), st.booleans(),
-)
-
-
-@settings(max_examples=40)
-@given(stacked_cases)
-def test_stacked_weights_match_each_weights_reference(params):
-    """Two or three weights read by one launch (`nf4_lora_linear_stacked`): each weight's columns equal its own
-    float64 reference, over ragged widths (tiles that end mid-tile), ranks that differ a weight, K splits and both
-    forms."""
-    seed, m, widths, blocks, blocksize, nested, bias, ranks, lora, dtype, splits, lut = params
-    k = blocks * blocksize * 2
-    cases = [_case(seed + i, m, n, k, blocksize, nested, bias, ranks[i] if lora else 0, dtype, torch.float32, False)
-             for i, n in enumerate(widths)]
-    x = cases[0]["x"]
-    for case in cases:
-        case["x"] = x
-    config = launch_config(m, tuple(widths), k, blocksize, torch.device("cpu"))
-    per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
-    config.update(k_per_split=per_split, splits=cdiv(k, per_split), LUT=lut)
-    with triton_on_cpu(), mock.patch.object(nf4_module, "launch_config", lambda *a: config):
-        out = nf4_lora_linear_stacked(x, [{name: v for name, v in case.items() if name != "x"} for case in cases])
-    assert out.shape == (m, sum(widths))
-    for case, part in zip(cases, out.split(widths, dim=-1)):
-        check(part.contiguous(), case)
-
-
-def test_stacked_weights_that_disagree_are_refused():
-    a = _case(1, 4, 16, 128, 64, True, False, 4, torch.bfloat16, torch.float32, False)
-    b = _case(2, 4, 16, 128, 64, False, False, 4, torch.bfloat16, torch.float32, False)
-    x = a.pop("x")
-    b.pop("x")
-    with pytest.raises(ValueError, match="stacked weights must agree"):
-        nf4_lora_linear_stacked(x, [a, b])
-    with pytest.raises(ValueError, match="code_values"):
-        nf4_lora_linear_stacked(x, [a, dict(a, code_values=None)])
-    with pytest.raises(ValueError, match="1 to 3"):
-        nf4_lora_linear_stacked(x, [a] * 4)
 
 
 def test_triton_kernel_rank_64_many_rows_and_m_tiles():
@@ -342,11 +290,6 @@ def test_opcheck_schema_and_fake():
     torch.library.opcheck(_nf4_lora_linear_op, args)
     plain = _case(2, 4, 24, 128, 64, False, False, 0, torch.float16, torch.float32, False)
     torch.library.opcheck(_nf4_lora_linear_op, _op_args(plain)[0])
-    other = _op_args(_case(3, 4, 40, 128, 64, True, True, 8, torch.bfloat16, torch.float32, False))[0]
-    stacked = list(args)
-    for i in (1, 2, 4, 5, 6, 9, 10, 11, 12, 13):  # the per-weight lists: two weights
-        stacked[i] = args[i] + other[i]
-    torch.library.opcheck(_nf4_lora_linear_op, tuple(stacked))
 
 
 def test_compiled_call_matches_eager():
@@ -469,8 +412,6 @@ def test_bench_tiny_smoke_run(capsys):
     assert [r["projection"] for r in rows] == ["q", "k/v", "o", "gate/up", "down"]
     assert all(r["max_rel_err"] < 3e-2 for r in rows)
     assert "| projection |" in capsys.readouterr().out
-    stacked = bench_nf4_linear.main(["--tiny", "--rows", "8", "--stacked"])
-    assert [r["group"] for r in stacked] == ["q/k/v", "gate/up"] and all(r["max_rel_err"] < 1e-2 for r in stacked)
 
 
 # GPU: the Qwen2.5-1.5B projection shapes, QLoRA's defaults (NF4, blocksize 64, double quantization), fp32 adapters.

@@ -37,7 +37,7 @@ from fastgrpo.kernels.act_mul import act_mul
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.gated_mlp import gated_mlp
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_into, lora_merge_plan, lora_unmerge_
-from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear, nf4_lora_linear_stacked
+from fastgrpo.kernels.nf4_lora_linear import nf4_lora_linear
 from fastgrpo.kernels.race_sample import race_sample
 from fastgrpo.kernels.rms_norm import add_rms_norm, rms_norm
 from fastgrpo.kernels.rope import rope
@@ -273,19 +273,6 @@ def _run_every_op():
             with mock.patch.object(nf4_module, "_FEW_ROWS_LUT", lut), mock.patch.object(nf4_module, "_LUT", lut):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
-                # the same weight stacked with a second and third of other widths (q, k and v; gate and up)
-                weights = [dict(packed=torch.zeros(w * k // 2, 1, dtype=torch.uint8), **dict(quant, shape=(w, k),
-                                absmax=torch.zeros(w * k // blocksize, dtype=quant["absmax"].dtype)),
-                                **(dict(lora, lora_a=torch.zeros(rank, k, dtype=lora_dtype),
-                                        lora_b=torch.zeros(w, rank, dtype=lora_dtype)) if rank else {}),
-                                bias=torch.zeros(w, dtype=dtype) if bias else None)
-                           for w in (n, 256, 256)]
-                for count in (2, 3):
-                    if nested:
-                        for w in weights:
-                            blocks = w["shape"][0] * k // blocksize
-                            w.update(nested_absmax=torch.zeros(-(-blocks // 256)))
-                    nf4_lora_linear_stacked(torch.zeros(m, k, dtype=dtype), weights[:count])
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.

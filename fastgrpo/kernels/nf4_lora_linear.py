@@ -39,9 +39,7 @@ columns. As that product is linear in the K parts, splitting K splits the LoRA t
 unless K is not split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter;
 the last program of a tile sums all the tile's partials (its own read back) in split order, adds the bias, writes the
 output and resets the counter (the counters need no clearing between calls, and a captured call replays as is). The
-sum's order does not depend on which program arrives last: a call's result is deterministic, eager or captured. One
-launch can take up to three weights that read one input (`nf4_lora_linear_stacked`: an attention's q, k and v, an MLP's
-gate and up), each program finding its weight by its column tile.
+sum's order does not depend on which program arrives last: a call's result is deterministic, eager or captured.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
@@ -54,7 +52,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels import _dispatch
 from fastgrpo.kernels._dispatch import cdiv, launch_like_cuda, multiprocessor_count, next_power_of_2, use_triton
 
 MAX_RANK = 64  # LoRA ranks the kernel takes (the [BM, r] product of x and A lives in registers)
@@ -74,8 +71,6 @@ _FEW_ROWS_BLOCK_N = 64
 # 4 programs an SM) the joined form is faster at every projection (gate/up 33.2 us against 47.0).
 _FEW_ROWS_LUT = True
 _LUT = False
-_LUT_PREFETCH = 4
-_DEPENDENT_LAUNCH = True  # launched as a programmatic dependent of the kernel before (sm_90+, `_dispatch`)
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -105,17 +100,6 @@ def _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k, k_hi, 
 
 
 @triton.jit
-def _prefetch_step(w_row_starts, k, k_hi, BK: tl.constexpr):
-    """Asks L2 for each weight row's packed bytes of the step at k (the split's last step where k is past it): one
-    `prefetch.global.L2` a row, for the line that holds the step's first byte (a step's BK/2 <= 64 bytes start at a
-    multiple of BK/2)."""
-    step = tl.minimum(k, k_hi - BK) // 2
-    addresses = (w_row_starts + step).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _block_scale(stat, nested, code2_ptr, offset, NESTED: tl.constexpr):
     """The fp32 scale of each row's block from `_step_loads`' statistics (a double-quantized one dequantized as
     bitsandbytes does; `offset` is only read when NESTED)."""
@@ -125,28 +109,15 @@ def _block_scale(stat, nested, code2_ptr, offset, NESTED: tl.constexpr):
 
 
 @triton.jit
-def _pick(g, v0, v1, v2):
-    """Pointer v0, v1 or v2 by the group index g (a program's scalar)."""
-    v = v0
-    if g == 1:
-        v = v1
-    if g == 2:
-        v = v2
-    return v
-
-
-@triton.jit
 def _nf4_lora_linear_kernel(
-    x_ptr, code_ptr, out_ptr, part_ptr, count_ptr,
-    w0, w1, w2, absmax0, absmax1, absmax2, nested0, nested1, nested2, code2_0, code2_1, code2_2,
-    offset0, offset1, offset2, a0, a1, a2, b0, b1, b2, bias0, bias1, bias2,
-    M, N, K, K_PER_SPLIT, N0, N1, N2, T1, T2, RANK0, RANK1, RANK2, scaling0, scaling1, scaling2,
-    sxm, sxk, som,
-    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr,
-    NESTED_BLOCKSIZE: tl.constexpr,
+    x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
+    out_ptr, part_ptr, count_ptr,
+    M, N, K, K_PER_SPLIT, RANK, scaling,
+    sxm, sxk, sar, sak, sbn, sbr, som,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
-    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, PREFETCH: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -156,40 +127,15 @@ def _nf4_lora_linear_kernel(
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
-    # GROUPS weights (1-3, one input) side by side: N tiles [0, T1) are group 0's, [T1, T2) group 1's, the rest group
-    # 2's; group g's N_g output columns start at column N_0 + ... + N_(g-1) of the [M, N] output. Its A is [RANK_g, K]
-    # and its B [N_g, RANK_g], both contiguous.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if GROUPS == 1:
-        w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr = w0, absmax0, nested0, code2_0, offset0
-        a_ptr, b_ptr, bias_ptr, n_g, rank, scaling = a0, b0, bias0, N0, RANK0, scaling0
-        tile_n = pid_n
-        col0 = 0
-    else:
-        g = (pid_n >= T1).to(tl.int32) + (pid_n >= T2).to(tl.int32)
-        w_ptr = _pick(g, w0, w1, w2)
-        absmax_ptr = _pick(g, absmax0, absmax1, absmax2)
-        absmax2_ptr = _pick(g, nested0, nested1, nested2)
-        code2_ptr = _pick(g, code2_0, code2_1, code2_2)
-        offset_ptr = _pick(g, offset0, offset1, offset2)
-        a_ptr = _pick(g, a0, a1, a2)
-        b_ptr = _pick(g, b0, b1, b2)
-        bias_ptr = _pick(g, bias0, bias1, bias2)
-        # (scalars by tl.where: an int argument of 1 arrives as a constant, which a branch could not merge)
-        n_g = tl.where(g == 0, N0, tl.where(g == 1, N1, N2))
-        rank = tl.where(g == 0, RANK0, tl.where(g == 1, RANK1, RANK2))
-        scaling = tl.where(g == 0, scaling0, tl.where(g == 1, scaling1, scaling2))
-        tile_n = pid_n - tl.where(g == 0, 0, tl.where(g == 1, T1, T2))
-        col0 = tl.where(g == 0, 0, tl.where(g == 1, N0, N0 + N1))
     rm = pid_m * BM + tl.arange(0, BM)
-    rn = tile_n * BN + tl.arange(0, BN)  # the group's output columns (its weight's rows)
-    cols = col0 + rn  # the call's output columns
+    rn = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, BK // 2)
     kk = tl.arange(0, BK)
     m_ok = rm < M
-    n_ok = rn < n_g
+    n_ok = rn < N
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
@@ -205,36 +151,24 @@ def _nf4_lora_linear_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
-        r_ok = rr < rank
-        a_rows = a_ptr + tl.minimum(rr, rank - 1)[:, None] * K
+        r_ok = rr < RANK
+        a_rows = a_ptr + tl.minimum(rr, RANK - 1)[:, None] * sar
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, not LUT)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, not LUT)
-    if LORA:
-        a_next = tl.load(a_rows + (k_lo + kk)[None, :])
-    if PREFETCH:
-        w_row_starts = w_ptr + rn.to(tl.int64) * (K // 2)
-        for d in tl.static_range(PREFETCH):
-            _prefetch_step(w_row_starts, k_lo + d * BK, k_hi, BK)
-    if DEPENDENT_LAUNCH:
-        # Launched as a programmatic dependent: everything above reads the weights, which no kernel writes; x, the
-        # partials, the counters and the output wait for the kernel before to finish. The kernel after (another
-        # projection's, reading its own weights first) may launch from here.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk)
+    if LORA:
+        a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak)
     for k in range(k_lo, k_hi, BK):
-        if PREFETCH:
-            _prefetch_step(w_row_starts, k + PREFETCH * BK, k_hi, BK)
         packed, stat, nested = p1, s1, t1
         x = x1
         k_next = tl.minimum(k + BK, k_hi - BK)
         x1 = tl.load(x_rows + (k_next + kk)[None, :] * sxk)
         if LORA:
-            a = a_next
-            a_next = tl.load(a_rows + (k_next + kk)[None, :])
+            a = a1
+            a1 = tl.load(a_rows + (k_next + kk)[None, :] * sak)
         p1, s1, t1 = p2, s2, t2
         p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
                                  BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, not LUT)
@@ -287,7 +221,7 @@ def _nf4_lora_linear_kernel(
             if LORA:
                 xa = tl.dot(x, tl.trans(a), xa, input_precision=PRECISION)
     if LORA:
-        b = tl.load(b_ptr + rn[:, None] * rank + rr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * sbn + rr[None, :] * sbr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         xa = xa * scaling
         if NATIVE:
             b = b.to(x_ptr.dtype.element_ty)
@@ -296,8 +230,8 @@ def _nf4_lora_linear_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(xa, tl.trans(b), acc, input_precision=PRECISION)
     mask = m_ok[:, None] & n_ok[None, :]
-    out_offsets = rm.to(tl.int64)[:, None] * som + cols[None, :]
-    part_offsets = rm.to(tl.int64)[:, None] * N + cols[None, :]
+    out_offsets = rm.to(tl.int64)[:, None] * som + rn[None, :]
+    part_offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
     if SPLITS == 1:
         if BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -319,13 +253,13 @@ def _nf4_lora_linear_kernel(
             for r0 in tl.range(0, BM, REDUCE_ROWS, loop_unroll_factor=1):
                 rows = pid_m * BM + r0 + tl.arange(0, REDUCE_ROWS)
                 chunk_mask = (rows < M)[:, None] & n_ok[None, :]
-                chunk = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+                chunk = part_ptr + rows.to(tl.int64)[:, None] * N + rn[None, :]
                 total = tl.load(chunk, mask=chunk_mask, other=0.0, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLITS):
                     total += tl.load(chunk + s * plane, mask=chunk_mask, other=0.0, cache_modifier=".cg")
                 if BIAS:
                     total += bias[None, :]
-                out = out_ptr + rows.to(tl.int64)[:, None] * som + cols[None, :]
+                out = out_ptr + rows.to(tl.int64)[:, None] * som + rn[None, :]
                 tl.store(out, total.to(out_ptr.dtype.element_ty), mask=chunk_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
@@ -337,18 +271,17 @@ def tile_settings(m: int) -> tuple[int, int, bool]:
     return _BLOCK_N, _PROGRAMS_PER_SM, _LUT
 
 
-def launch_config(m: int, n: int | tuple[int, ...], k: int, blocksize: int, device: torch.device) -> dict:
-    """Tiles and K splits of one call (n: the output width, or each stacked weight's), from static shapes only. Every
-    row in one tile up to 64 rows (the weight is read once), output columns a tile and programs an SM by the row count
-    (`tile_settings`), steps of min(blocksize, 128) columns of K.
+def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
+    """Tiles and K splits of one call, from static shapes only. Every row in one tile up to 64 rows (the weight
+    is read once), output columns a tile and programs an SM by the row count (`tile_settings`), steps of
+    min(blocksize, 128) columns of K.
     Rule: splits = min(ceil(programs an SM * SMs / tiles), K / (2 * BK), 32), so that each split walks at least
     two steps (1.5B shapes at 64 rows on 132 SMs: 1536x1536 -> 8 splits, 256x1536 -> 12, 8960x1536 -> 2,
     1536x8960 -> 11)."""
     bm = min(64, max(16, next_power_of_2(m)))
     bn, per_sm, lut = tile_settings(m)
     bk = min(blocksize, 128)
-    widths = (n,) if isinstance(n, int) else n  # several weights side by side: each has its own column tiles
-    tiles = cdiv(m, bm) * sum(cdiv(w, bn) for w in widths)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     want = cdiv(per_sm * multiprocessor_count(device), tiles)
     splits = max(1, min(want, k // (2 * bk), _MAX_SPLITS))
     if tiles > _COUNTERS:
@@ -368,9 +301,9 @@ _LUT_BODY = (
 
 @functools.lru_cache(maxsize=None)
 def lut_asm(values: tuple[float, ...], dtype: torch.dtype) -> tuple[str, str]:
-    """PTX of the register-table lookups (the LUT form) for the 16 code `values` rounded to `dtype` (bf16 or fp16):
-    (high, low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four
-    16-bit codes in $0, $1.
+    """PTX of the register-table lookups (the LUT form) for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high,
+    low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit
+    codes in $0, $1.
     A byte of 8 entries is picked by `prmt` (selectors: the nibbles' low 3 bits); entries 8-15 come from a second
     `prmt`, chosen by the nibble's bit 3."""
     bits = [int(b) & 0xFFFF for b in torch.tensor(values, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
@@ -407,49 +340,37 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, widths, lora_a, lora_b, scaling, bias, code_values=None, config=None):
-    """x2 [M, K] (any strides) through the kernel, times the 1-3 weights of the lists side by side: [M, sum(widths)]
-    (the op's arguments: nested_absmax, nested_code, offset, lora_a, lora_b and bias empty lists when absent; A and B
-    contiguous). `config` overrides `launch_config` (tests). The config's LUT form runs where `code_values` (the
-    codes on the host) are given or off CUDA (the interpreter gathers from `code`); else the joined one."""
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, code_values=None, config=None):
+    """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests). The config's LUT form
+    runs where `code_values` (the codes on the host) are given or off CUDA (the interpreter gathers from `code`);
+    else the joined one."""
     m, k = x2.shape
-    groups = len(packed)
-    n = sum(widths)
-    config = config or launch_config(m, tuple(widths), k, blocksize, x2.device)
+    config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
     out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if splits > 1 else out
-    tiles = [cdiv(w, config["BN"]) for w in widths]
-    grid = (sum(tiles), splits, cdiv(m, config["BM"]))
+    grid = (cdiv(n, config["BN"]), splits, cdiv(m, config["BM"]))
     if splits > 1 and grid[0] * grid[2] > _COUNTERS:
         raise ValueError(f"{grid[0] * grid[2]} tiles need more than the {_COUNTERS} counters; split K less")
     counters = _counter_buffer(x2.device) if splits > 1 else out
     cuda = launch_like_cuda(x2)
     native = cuda and x2.dtype != torch.float32
-    nested, lora, has_bias = bool(nested_absmax), bool(lora_a), bool(bias)
-    ranks = [a.shape[0] for a in lora_a] if lora else [0] * groups
+    nested = nested_absmax is not None
+    lora = lora_a is not None
+    rank = lora_a.shape[0] if lora else 0
     use_lut = config["LUT"] and (not native or code_values is not None)
     lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
-
-    def three(values, absent):  # a group's tensors (or its placeholder), then group 0's for the unused groups
-        values = list(values) if values else [absent] * groups
-        return values + [values[0]] * (3 - groups)
-
-    # groups 1 and 2's first N tile (an unused group's: past the grid)
-    starts = [sum(tiles[:g]) if g < groups else grid[0] for g in (1, 2)]
     _nf4_lora_linear_kernel[grid](
-        x2, code, out, part, counters,
-        *three(packed, None), *three(absmax, None), *three(nested_absmax, absmax[0]), *three(nested_code, code),
-        *three(offset, code), *three(lora_a, x2), *three(lora_b, x2), *three(bias, out),
-        m, n, k, config["k_per_split"], *(list(widths) + [0] * (3 - groups)),
-        *starts,
-        *(ranks + [0] * (3 - groups)), *([float(v) for v in scaling] + [0.0] * (3 - groups)),
-        x2.stride(0), x2.stride(1), out.stride(0),
-        GROUPS=groups, BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize,
-        NESTED_BLOCKSIZE=nested_blocksize, R_PAD=max(16, next_power_of_2(max(ranks))), SPLITS=splits, NESTED=nested,
-        LORA=lora, BIAS=has_bias, NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut,
-        LUT_HIGH=lut_high, LUT_LOW=lut_low, PREFETCH=_LUT_PREFETCH if use_lut and native else 0,
-        **(_dispatch.dependent_launch_args(x2) if _DEPENDENT_LAUNCH else {"DEPENDENT_LAUNCH": False}),
+        x2, packed, absmax, code, nested_absmax if nested else absmax,
+        nested_code if nested else code, offset if nested else code, lora_a if lora else x2,
+        lora_b if lora else x2, bias if bias is not None else out,
+        out, part, counters,
+        m, n, k, config["k_per_split"], rank, float(scaling),
+        x2.stride(0), x2.stride(1), lora_a.stride(0) if lora else 0, lora_a.stride(1) if lora else 0,
+        lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
+        BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
+        R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
+        NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
@@ -512,37 +433,34 @@ def kernel_obstacle(t: torch.Tensor, blocksize: int, k: int, rank: int) -> str |
     return None
 
 
+def _takes_triton(x2, blocksize, k, lora_a) -> bool:
+    return kernel_obstacle(x2, blocksize, k, 0 if lora_a is None else lora_a.shape[0]) is None
+
+
 @torch.library.custom_op("fastgrpo::nf4_lora_linear", mutates_args=())
-def _nf4_lora_linear_op(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor], code: torch.Tensor,
-                        nested_absmax: list[torch.Tensor], nested_code: list[torch.Tensor],
-                        offset: list[torch.Tensor], blocksize: int, nested_blocksize: int, out_features: list[int],
-                        lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scaling: list[float],
-                        bias: list[torch.Tensor], code_values: list[float] | None) -> torch.Tensor:
-    """x times 1-3 weights side by side (see `_triton_nf4_lora_linear` for the lists)."""
+def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                        nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                        offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
+                        lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
+                        bias: torch.Tensor | None, code_values: list[float] | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    n = sum(out_features)
-    rank = max((a.shape[0] for a in lora_a), default=0)
     if x2.shape[0] == 0:
-        out = x2.new_empty(0, n)
-    elif kernel_obstacle(x2, blocksize, k, rank) is None:
+        out = x2.new_empty(0, out_features)
+    elif _takes_triton(x2, blocksize, k, lora_a):
         out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
                                       nested_blocksize, out_features, lora_a, lora_b, scaling, bias, code_values)
     else:
-        def entry(values, g):
-            return values[g] if values else None
-
-        out = torch.cat([reference_nf4_lora_linear(
-            x2, packed[g], absmax[g], code, entry(nested_absmax, g), entry(nested_code, g), entry(offset, g),
-            blocksize, nested_blocksize, (width, k), entry(lora_a, g), entry(lora_b, g), scaling[g],
-            entry(bias, g)).to(x.dtype) for g, width in enumerate(out_features)], dim=-1)
-    return out.reshape(*x.shape[:-1], n)
+        out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
+                                        nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
+                                        bias).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 @_nf4_lora_linear_op.register_fake
 def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
       lora_a, lora_b, scaling, bias, code_values):
-    return x.new_empty(*x.shape[:-1], sum(out_features))
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def quant_state_args(quant_state) -> dict:
@@ -616,71 +534,20 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     `code_values`: code's 16 values on the host (values that disagree with code give wrong weights), or None (then
     the joined form runs at every row count). For sampling only: no autograd, so a call with grad-requiring inputs
     is refused (run it under torch.no_grad())."""
-    return nf4_lora_linear_stacked(x, [dict(
-        packed=packed, absmax=absmax, code=code, shape=shape, blocksize=blocksize, nested_absmax=nested_absmax,
-        nested_code=nested_code, offset=offset, nested_blocksize=nested_blocksize, lora_a=lora_a, lora_b=lora_b,
-        scaling=scaling, bias=bias, code_values=code_values)])
-
-
-MAX_STACKED = 3  # weights one launch takes side by side
-
-
-def stack_key(weight: dict) -> tuple:
-    """What the weights of one `nf4_lora_linear_stacked` launch share, from one weight's keyword arguments: K, the
-    blocksize, double quantization and its nested blocksize, the code values, the LoRA factors' dtypes and the bias'
-    dtype (None where absent)."""
-    lora_a, lora_b, bias, values = (weight.get(name) for name in ("lora_a", "lora_b", "bias", "code_values"))
-    return (int(weight["shape"][1]), int(weight.get("blocksize", 64)), int(weight.get("nested_blocksize", 256)),
-            weight.get("nested_absmax") is not None, None if values is None else tuple(float(v) for v in values),
-            None if lora_a is None else (lora_a.dtype, lora_b.dtype), None if bias is None else bias.dtype)
-
-
-def nf4_lora_linear_stacked(x: torch.Tensor, weights: list[dict]) -> torch.Tensor:
-    """x times 1-3 4-bit weights that read it (an attention's q, k and v; an MLP's gate and up), side by side in one
-    launch: [..., N_1 + N_2 + ...], each weight's columns as `nf4_lora_linear` gives them. Each entry holds
-    `nf4_lora_linear`'s keyword arguments for one weight (packed, code and the rest of `quant_state_args`, lora_a,
-    lora_b, scaling, bias). Stacked weights agree on their `stack_key`, and give `code_values` where there are more
-    than one."""
-    if not 1 <= len(weights) <= MAX_STACKED:
-        raise ValueError(f"{len(weights)} weights: nf4_lora_linear_stacked takes 1 to {MAX_STACKED}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"fastgrpo::nf4_lora_linear takes float32, float16 or bfloat16 x, got {x.dtype}")
-    tensors = [x] + [w.get(name) for w in weights for name in ("lora_a", "lora_b", "bias")]
+    tensors = (x, lora_a, lora_b, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
-    lists = {name: [] for name in ("packed", "absmax", "nested_absmax", "nested_code", "offset", "lora_a", "lora_b",
-                                   "bias")}
-    widths, scalings, code, code_values, agreed = [], [], None, None, None
-    for w in weights:
-        n, k = (int(s) for s in w["shape"])
-        if x.shape[-1] != k:
-            raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
-        blocksize, nested_blocksize = int(w.get("blocksize", 64)), int(w.get("nested_blocksize", 256))
-        lora_a, lora_b, bias = w.get("lora_a"), w.get("lora_b"), w.get("bias")
-        flat, absmax, w_code, nested_absmax, nested_code, offset = _checked_quantization(
-            w["packed"], w["absmax"], w["code"], n, k, blocksize, w.get("nested_absmax"), w.get("nested_code"),
-            w.get("offset"), nested_blocksize, lora_a, lora_b)
-        if bias is not None and bias.shape != (n,):
-            raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
-        values = w.get("code_values")
-        if values is not None and len(values) != 16:
-            raise ValueError(f"{len(values)} code_values: expected code's 16 values")
-        this = stack_key(w)
-        if agreed is None:
-            agreed, code, code_values = this, w_code, None if values is None else [float(v) for v in values]
-        elif this != agreed or values is None:
-            raise ValueError("stacked weights must agree on K, blocksize, double quantization, code_values (given for "
-                             "each: quant_state_args gives them), LoRA factors' presence and dtypes and bias' "
-                             "presence and dtype; call nf4_lora_linear on each weight that differs")
-        widths.append(n)
-        scalings.append(float(w.get("scaling", 1.0)))
-        for name, value in (("packed", flat), ("absmax", absmax), ("nested_absmax", nested_absmax),
-                            ("nested_code", nested_code), ("offset", offset), ("bias", bias),
-                            ("lora_a", None if lora_a is None else lora_a.contiguous()),
-                            ("lora_b", None if lora_b is None else lora_b.contiguous())):
-            if value is not None:
-                lists[name].append(value)
-    _, blocksize, nested_blocksize, *_ = agreed
-    return _nf4_lora_linear_op(x, lists["packed"], lists["absmax"], code, lists["nested_absmax"],
-                               lists["nested_code"], lists["offset"], blocksize, nested_blocksize, widths,
-                               lists["lora_a"], lists["lora_b"], scalings, lists["bias"], code_values)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fastgrpo::nf4_lora_linear takes float32, float16 or bfloat16 x, got {x.dtype}")
+    n, k = (int(s) for s in shape)
+    if x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
+    flat, absmax, code, nested_absmax, nested_code, offset = _checked_quantization(
+        packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
+    if code_values is not None and len(code_values) != 16:
+        raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
+    return _nf4_lora_linear_op(x, flat, absmax, code, nested_absmax, nested_code, offset,
+                               int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
+                               None if code_values is None else [float(v) for v in code_values])

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastgrpo.integrations.generation import four_bit as four_bit_module
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear, active_adapters, four_bit_key, \
-    four_bit_member, four_bit_obstacle, lora_factors
-from fastgrpo.integrations.generation.joined import FourBitStack, JoinedProjections, JoinedSlice, joinable_groups, \
-    stackable_groups
+    four_bit_obstacle, lora_factors
+from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
 
@@ -204,8 +202,6 @@ class MergedAdapters:
       bitsandbytes-quantized base (dequantized into the copy: bf16 memory for those weights while the engine lives);
     - in a joined copy for an attention's q, k and v that all merge (`joined.py`, while `JOIN_QKV`): one GEMM for
       the three.
-    4-bit layers that read one input (q, k and v; gate and up) decode in one launch (`FourBitStack`, while
-    `four_bit.STACK_FOUR_BIT`).
 
     Every LoRA layer with active adapters is counted once after `swapped()` enters: `merged_layers` (merged
     weights), `nf4_layers` (the 4-bit kernel), `not_merged` (reason -> layers left to PEFT's own forward).
@@ -229,7 +225,7 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if four_bit_member(e.linear) is not None or e.in_place:
+            if isinstance(e.linear, FourBitLoRALinear) or e.in_place:
                 continue
             weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
             copies[id(weight)] = weight
@@ -238,16 +234,7 @@ class MergedAdapters:
     @property
     def joined_groups(self) -> int:
         """Groups of projections decoding as one GEMM (`joined.py`)."""
-        return self._groups(JoinedProjections)
-
-    @property
-    def stacked_groups(self) -> int:
-        """Groups of 4-bit layers decoding in one launch (`FourBitStack`)."""
-        return self._groups(FourBitStack)
-
-    def _groups(self, kind: type) -> int:
-        return len({id(e.linear.joined) for e in self._entries
-                    if isinstance(e.linear, JoinedSlice) and isinstance(e.linear.joined, kind)})
+        return len({id(e.linear.joined) for e in self._entries if isinstance(e.linear, JoinedSlice)})
 
     def release(self) -> None:
         self._entries, self._key = [], ()
@@ -292,9 +279,9 @@ class MergedAdapters:
         return linear
 
     def _entries_of(self, parent: nn.Module, name: str, layer: nn.Module, four_bit: bool,
-                    shared: set[int], four_bit_modules: dict) -> list[_Merge]:
+                    shared: set[int]) -> list[_Merge]:
         if four_bit:
-            return [_Merge(parent, name, layer, four_bit_modules[id(layer)])]
+            return [_Merge(parent, name, layer, FourBitLoRALinear(layer))]
         if is_expert_lora(layer):  # each wrapper's parameter merged in place; the outermost swapped for the module
             chain, module = expert_lora_chain(layer)
             return [_Merge(parent if i == 0 else None, name, wrapper, module, in_place=True,
@@ -337,8 +324,8 @@ class MergedAdapters:
 
         planned = []  # in-place kernel merges: (entry, factors), once their misses are counted
         for e in self._entries:
-            if (member := four_bit_member(e.linear)) is not None:
-                member.refresh()
+            if isinstance(e.linear, FourBitLoRALinear):
+                e.linear.refresh()
                 continue
             factors = self._factors(e.layer)
             if not e.in_place:
@@ -436,17 +423,9 @@ class MergedAdapters:
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
-            four_bit_modules = {id(layer): FourBitLoRALinear(layer) for _, _, layer, four_bit in targets if four_bit}
-            stackable = [(parent, name, layer) for parent, name, layer, four_bit in targets if four_bit]
-            stacking = four_bit_module.STACK_FOUR_BIT
-            groups = stackable_groups(stackable, lambda layer: four_bit_modules[id(layer)]) if stacking else []
-            for group in groups:
-                stack = FourBitStack([four_bit_modules[id(layer)] for _, _, layer in group])
-                for (parent, name, layer), piece in zip(group, stack.slices()):
-                    joined[id(layer)] = _Merge(parent, name, layer, piece)
             self._entries = [e for target in targets
                              for e in ([joined[id(target[2])]] if id(target[2]) in joined
-                                       else self._entries_of(*target, shared, four_bit_modules))]
+                                       else self._entries_of(*target, shared))]
             self._key = key
             self.version += 1
         try:

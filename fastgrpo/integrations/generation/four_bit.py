@@ -2,30 +2,16 @@
 on the live packed weight and the live adapters, no dequantized copy.
 
 `FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call);
-`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason); a `FourBitStack` (joined.py)
-runs several that read one input in one launch. `lora_factors` reads a PEFT layer's active adapters as one (A, B,
-scaling); `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
+`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason). `lora_factors` reads a PEFT
+layer's active adapters as one (A, B, scaling); `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a
+`Linear4bit` through the kernel.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fastgrpo.integrations.generation.joined import FourBitStack, JoinedSlice
-from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args, stack_key
-
-# 4-bit layers that read one input (q, k and v; gate and up) decode in one `nf4_lora_linear` launch (joined.py's
-# `FourBitStack`): 7 launches a layer become 4 (at 8 rows the kernel takes 5-7 us a launch on the 1.5B shape's q, k
-# and v, ~75 % of a QLoRA decode step's GPU time: `grpo_qlora_step.py --profile`). Interpreter-tested and built for
-# sm_90, not yet run on a GPU, so off until `FAILED_TESTS='-m gpu tests/test_kernel_nf4_linear.py
-# tests/test_generation_qlora.py' QLORA_AB="fastgrpo.integrations.generation.four_bit.STACK_FOUR_BIT=True;;" bash
-# bench/device_session.sh tests_failed qlora_ab` checks and times it.
-STACK_FOUR_BIT = False
-# On CUDA with a compute dtype set, the LoRA factors the kernel reads are copies in that dtype, refreshed at every call
-# (the kernel rounds them to it before its dots, so the products are the same bits): every column tile of a launch reads
-# A over its K range, twice the weight's bytes at rank 16 in fp32.
-FACTORS_IN_COMPUTE_DTYPE = True
-
+from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args
 
 def active_adapters(layer: nn.Module) -> list[str]:
     """The names of a PEFT LoRA layer's active adapters that it holds."""
@@ -102,66 +88,38 @@ FOUR_BIT_KERNEL_MAX_ROWS = 256
 class FourBitLoRALinear(nn.Module):
     """What decodes in place of a PEFT LoRA linear over a bitsandbytes 4-bit (nf4 or fp4) base while
     `MergedAdapters.swapped()` runs: `fastgrpo::nf4_lora_linear` on the live packed weight, its quantization state,
-    the base's bias and the LoRA factors, in the base's compute dtype, the result in x's dtype (PEFT's maths with one
-    rounding). One active adapter in the compute dtype is read live; several are joined (`lora_factors`), and on CUDA
-    fp32 factors are cast to the compute dtype (FACTORS_IN_COMPUTE_DTYPE), into factors held here and refreshed at
-    every call (`refresh`). Inputs of more than
-    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd. A `FourBitStack`
-    (joined.py) runs several that read one input in one launch (`weight_args`, `stack_key`)."""
+    the base's bias and the live LoRA factors (fp32 factors cast in the kernel), in the base's compute dtype, the
+    result in x's dtype (PEFT's maths with one rounding). One active adapter is read as it is; several are joined
+    (`lora_factors`) into factors held here, refreshed at every call (`refresh`). Inputs of more than
+    FOUR_BIT_KERNEL_MAX_ROWS rows run the LoRA layer's own forward. Sampling only: no autograd."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         base = layer.base_layer
         self.__dict__["layer"] = layer  # not a submodule: the LoRA layer is out of the model while this stands in
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.in_features = layer.in_features
         self.compute_dtype = getattr(base, "compute_dtype", None)
         self.packed = base.weight.detach()
         self.quant = quant_state_args(base.weight.quant_state)
         self.bias = None if base.bias is None else base.bias.detach()
+        self.joined = len(active_adapters(layer)) > 1
         a, b, self.scaling = lora_factors(layer)
-        cast = (FACTORS_IN_COMPUTE_DTYPE and a is not None and self.packed.is_cuda
-                and self.compute_dtype not in (None, a.dtype))
-        self.joined = len(active_adapters(layer)) > 1  # several adapters' factors joined into one
-        self.copied = cast or self.joined
-        if cast:
-            a, b = a.to(self.compute_dtype), b.to(self.compute_dtype)
-        self.lora_a, self.lora_b = (None, None) if a is None else (a.detach(), b.detach())
+        self.lora_a, self.lora_b = a.detach(), b.detach()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Factors held as copies (several adapters joined, or cast to the compute dtype) take the adapters' current
-        values; one adapter in its own dtype is read live."""
-        if self.copied:
+        """Joined factors take the adapters' current values (one adapter is read live: nothing to do)."""
+        if self.joined:
             a, b, _ = lora_factors(self.layer)
             self.lora_a.copy_(a)
             self.lora_b.copy_(b)
 
-    def takes_kernel(self, x: torch.Tensor) -> bool:
-        return x.numel() <= FOUR_BIT_KERNEL_MAX_ROWS * self.in_features
-
-    def weight_args(self) -> dict:
-        """`nf4_lora_linear`'s arguments for this layer (all but x)."""
-        return dict(packed=self.packed, **self.quant, lora_a=self.lora_a, lora_b=self.lora_b, scaling=self.scaling,
-                    bias=self.bias)
-
-    def stack_key(self) -> tuple:
-        """What layers stacked into one launch share: the kernel's `stack_key`, the compute dtype and the device."""
-        return self.compute_dtype, self.packed.device, *stack_key(self.weight_args())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes_kernel(x):
+        if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
             return self.layer(x)
-        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), **self.weight_args())
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), self.packed, **self.quant, lora_a=self.lora_a,
+                              lora_b=self.lora_b, scaling=self.scaling, bias=self.bias)
         return out.to(x.dtype)
-
-
-def four_bit_member(linear: nn.Module) -> FourBitLoRALinear | None:
-    """The `FourBitLoRALinear` decoding in a swapped-in module's place (itself, or its slice of a `FourBitStack`)."""
-    if isinstance(linear, FourBitLoRALinear):
-        return linear
-    if isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitStack):
-        return linear.joined.members[linear.index]
-    return None
 
 
 def four_bit_key(layer: nn.Module) -> tuple:
