@@ -301,9 +301,9 @@ _LUT_BODY = (
 
 @functools.lru_cache(maxsize=None)
 def lut_asm(values: tuple[float, ...], dtype: torch.dtype) -> tuple[str, str]:
-    """PTX of the register-table lookups (the LUT form) for the 16 code `values` rounded to `dtype` (bf16 or fp16): (high,
-    low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four 16-bit
-    codes in $0, $1.
+    """PTX of the register-table lookups (the LUT form) for the 16 code `values` rounded to `dtype` (bf16 or fp16):
+    (high, low) look up the high (even column) or low (odd column) nibble of each of 4 packed bytes in $2, giving four
+    16-bit codes in $0, $1.
     A byte of 8 entries is picked by `prmt` (selectors: the nibbles' low 3 bits); entries 8-15 come from a second
     `prmt`, chosen by the nibble's bit 3."""
     bits = [int(b) & 0xFFFF for b in torch.tensor(values, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]

@@ -13,6 +13,7 @@ from torch import nn
 
 from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args
 
+
 def active_adapters(layer: nn.Module) -> list[str]:
     """The names of a PEFT LoRA layer's active adapters that it holds."""
     return [name for name in layer.active_adapters if name in layer.lora_A]
