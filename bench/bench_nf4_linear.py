@@ -108,9 +108,9 @@ def l2_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
-# (columns a tile, warps) pairs whose sm_90 code spills nothing (BN 128 at 4 warps spills) x pipeline stages x
-# programs per SM (--warps, --stages and --per-sm choose among them), in either form: the register table's even/odd
-# products (lut) or the weight's columns joined.
+# (columns a tile, warps) pairs (4 and 8 warps: those whose sm_90 code spilled nothing; BN 128 at 4 warps spilled; 2
+# warps added unchecked) x pipeline stages x programs per SM (--warps, --block-n, --stages and --per-sm choose among
+# them), in either form: the register table's even/odd products (lut) or the weight's columns joined.
 FORMS = {"lut": True, "joined": False}
 TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 

@@ -107,7 +107,8 @@ run_step() {
     # grpo_qlora_step.py --set; an empty list is the tree as it is), one process each, in order (list them twice to
     # alternate); QLORA_CAP seconds a run. E.g. the NF4 kernel's launch before 394fb62 against the tree:
     # QLORA_AB="fastgrpo.kernels.nf4_lora_linear._BLOCK_N=64 fastgrpo.kernels.nf4_lora_linear._PROGRAMS_PER_SM=2;;" (then
-    # the tree; repeat the whole string, ending in ";;", to alternate twice); QLORA_ARGS are added to every run (e.g. "--steps 6")
+    # the tree; repeat the whole string, ending in ";;", to alternate twice); QLORA_ARGS are added to every run
+    # (e.g. "--steps 6")
     qlora_ab)
       local n=0 settings s
       IFS=';' read -ra QLORA_RUNS <<< "${QLORA_AB:-;}"

@@ -254,7 +254,7 @@ def _run_every_op():
 
     # The NF4 + LoRA decode linear: split K (q at 8 rows) and unsplit (gate/up at 64 rows), nested and plain block
     # scales, ranks 16 and 64 with fp32 and bf16 adapters, blocksizes 64 and 128, bias, fp16 and fp32 x; the weight's
-    # weight's columns joined (codes gathered from the 16 fp32 ones) or in even/odd products of register-table codes.
+    # columns joined (codes gathered from the 16 fp32 ones) or in even/odd products of register-table codes.
     nf4_module = importlib.import_module("fastgrpo.kernels.nf4_lora_linear")
     for m, n, k, dtype, blocksize, nested, rank, lora_dtype, bias in (
             (8, 1536, 1536, torch.bfloat16, 64, True, 16, torch.float32, True),

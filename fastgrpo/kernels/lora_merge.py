@@ -2,10 +2,10 @@
 
 The delta of a LoRA layer's active adapters is `b @ a`, with `a` [r, K] their A's stacked along r and `b` [N, r]
 their B's side by side, each scaled by its adapter's scaling (`lora_factors` of
-fastgrpo.integrations.generation.four_bit, then `lora_merge_factors`), both fp32. The kernel computes a [BN, BK] tile of it in registers (r fused multiply-adds an
-element, in a fixed order) beside the weight's tile, so each pass reads (and writes) the weight once and the delta is
-never in memory. Every call computes the same delta
-bits from the same factors, which is what makes an in-place merge undoable exactly:
+fastgrpo.integrations.generation.four_bit, then `lora_merge_factors`), both fp32. The kernel computes a [BN, BK] tile
+of it in registers (r fused multiply-adds an element, in a fixed order) beside the weight's tile, so each pass reads
+(and writes) the weight once and the delta is never in memory. Every call computes the same delta bits from the same
+factors, which is what makes an in-place merge undoable exactly:
 
 - `lora_merge_plan(weight, a, b, stats)`: counts the elements where round(round(W + d) - d) != W (a sum that rounds
   across a power of two) into stats[0], adds the bits of that undo, as int64, into stats[1] and W's own bits into
