@@ -20,6 +20,7 @@ reused would be served from the 50-60 MB L2, not HBM.
                                                        # both forms (register table, joined)
     python bench/bench_nf4_linear.py --sweep lut       # GPU: the launch settings in one form (lut or joined)
     python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 4 --per-sm 2 4 --projections gate/up
+    python bench/bench_nf4_linear.py --rows 8 --sweep lut --warps 4 --block-n 64 --ahead 0 2 3
     python bench/bench_nf4_linear.py --sweep forms     # GPU: the launch as it is in each form
     python bench/bench_nf4_linear.py --tiny            # CPU smoke: tiny projections, the torch paths, no rows kept
 Every swept setting's output is checked against bitsandbytes + PEFT before it is timed. Rows are appended to
@@ -116,8 +117,9 @@ TILES = ((32, 2), (64, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 def launches(args) -> list[dict]:
-    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps) for bn, w in TILES
-            if w in args.warps and (not args.block_n or bn in args.block_n) for s in args.stages for ps in args.per_sm]
+    return [dict(block_n=bn, warps=w, stages=s, per_sm=ps, ahead=a) for bn, w in TILES
+            if w in args.warps and (not args.block_n or bn in args.block_n) for s in args.stages for ps in args.per_sm
+            for a in args.ahead]
 
 
 def sweep_settings(config: dict):
@@ -126,12 +128,13 @@ def sweep_settings(config: dict):
             (nf4_module, "_PROGRAMS_PER_SM", config["per_sm"]),
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_FEW_ROWS_LUT", config["lut"]),
-            (nf4_module, "_LUT", config["lut"])]
+            (nf4_module, "_LUT", config["lut"]), (nf4_module, "_LUT_AHEAD", config["ahead"]),
+            (nf4_module, "_JOINED_AHEAD", max(2, config["ahead"]))]
 
 
 def _name(config: dict) -> str:
     return (f"{config['block_n']}/{config['warps']}/{config['stages']}/{config['per_sm']}"
-            + (" lut" if config["lut"] else " joined"))
+            + (" lut" if config["lut"] else " joined") + (f" ahead {config['ahead']}" if config["ahead"] else ""))
 
 
 def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> dict:
@@ -141,7 +144,8 @@ def sweep(ours, check, name: str, n: int, k: int, m: int, copies: int, args) -> 
     block_n, per_sm, _ = nf4_module.tile_settings(m)
     if args.sweep == "forms":
         configs = [dict(block_n=block_n, warps=nf4_module._NUM_WARPS, stages=nf4_module._NUM_STAGES, per_sm=per_sm,
-                        lut=lut) for lut in FORMS.values()]
+                        lut=lut, ahead=nf4_module._LUT_AHEAD if lut else nf4_module._JOINED_AHEAD)
+                   for lut in FORMS.values()]
     else:
         forms = FORMS.values() if args.sweep == "all" else [FORMS[args.sweep]]
         configs = [dict(launch, lut=lut) for lut in forms for launch in launches(args)]
@@ -172,6 +176,9 @@ def main(argv=None):
     p.add_argument("--block-n", type=int, nargs="+", help="--sweep: only tiles of these widths")
     p.add_argument("--stages", type=int, nargs="+", default=[3], help="--sweep: pipeline stages")
     p.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8], help="--sweep: programs an SM")
+    p.add_argument("--ahead", type=int, nargs="+", default=[0], choices=[0, 2, 3],
+                   help="--sweep: steps ahead the packed bytes are carried (0: loaded in the step; the joined form "
+                   "takes at least 2)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:

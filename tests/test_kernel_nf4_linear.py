@@ -122,20 +122,20 @@ cases = st.tuples(
     st.booleans(), st.booleans(), st.sampled_from([0, 1, 8, 16]),
     st.sampled_from([torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]),
     st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.integers(1, 4),
-    st.booleans(),
+    st.booleans(), st.sampled_from([0, 2, 3]),
 )
 
 
 @settings(max_examples=100)
 @given(cases)
 def test_triton_kernel_matches_the_float64_reference(params):
-    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, lut = params
+    seed, m, n, blocks, blocksize, nested, bias, rank, dtype, lora_dtype, strided, splits, lut, ahead = params
     k = blocks * blocksize
     inputs = _case(seed, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, strided)
     args, _ = _op_args(inputs)
     config = launch_config(m, n, k, blocksize, torch.device("cpu"))
     per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
-    config.update(k_per_split=per_split, splits=cdiv(k, per_split), LUT=lut)
+    config.update(k_per_split=per_split, splits=cdiv(k, per_split), LUT=lut, AHEAD=ahead)
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
@@ -435,13 +435,15 @@ def _bnb_lora(x, packed, state, a, b, scaling, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lut", [False, True])
+@pytest.mark.parametrize("lut,ahead", [(False, 2), (False, 3), (True, 0), (True, 2), (True, 3)])
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("n,k", [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)])
-def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, lut, monkeypatch):
-    """Either form at either row band's launch, against bitsandbytes + PEFT, eager and replayed."""
+def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, lut, ahead, monkeypatch):
+    """Either form, its bytes loaded in the step or carried ahead, at either row band's launch, against
+    bitsandbytes + PEFT, eager and replayed."""
     monkeypatch.setattr(nf4_module, "_FEW_ROWS_LUT", lut)
     monkeypatch.setattr(nf4_module, "_LUT", lut)
+    monkeypatch.setattr(nf4_module, "_LUT_AHEAD" if lut else "_JOINED_AHEAD", ahead)
     x, packed, state, a, b, bias = _gpu_case(m, n, k, bias=n == 256)
     kwargs = dict(**quant_state_args(state), lora_a=a, lora_b=b, scaling=2.0, bias=bias)
     with torch.no_grad():

@@ -71,6 +71,10 @@ _FEW_ROWS_BLOCK_N = 64
 # 4 programs an SM) the joined form is faster at every projection (gate/up 33.2 us against 47.0).
 _FEW_ROWS_LUT = True
 _LUT = False
+# Steps ahead a step's packed bytes are loaded and carried in registers: 2 or 3, or 0 (the register-table form only:
+# loaded in the step, left to Triton's pipeline).
+_LUT_AHEAD = 0
+_JOINED_AHEAD = 2
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _MAX_SPLITS = 32
@@ -117,7 +121,7 @@ def _nf4_lora_linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
-    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -155,9 +159,12 @@ def _nf4_lora_linear_kernel(
         a_rows = a_ptr + tl.minimum(rr, RANK - 1)[:, None] * sar
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED, not LUT)
+                             NESTED_BLOCKSIZE, NESTED, AHEAD > 0)
     p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + BK, k_hi, BLOCKSIZE,
-                             NESTED_BLOCKSIZE, NESTED, not LUT)
+                             NESTED_BLOCKSIZE, NESTED, AHEAD > 0)
+    if AHEAD > 2:
+        p3, s3, t3 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo + 2 * BK, k_hi,
+                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, True)
     x1 = tl.load(x_rows + (k_lo + kk)[None, :] * sxk)
     if LORA:
         a1 = tl.load(a_rows + (k_lo + kk)[None, :] * sak)
@@ -170,13 +177,21 @@ def _nf4_lora_linear_kernel(
             a = a1
             a1 = tl.load(a_rows + (k_next + kk)[None, :] * sak)
         p1, s1, t1 = p2, s2, t2
-        p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
-                                 BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, not LUT)
+        if AHEAD > 2:
+            p2, s2, t2 = p3, s3, t3
+            p3, s3, t3 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 3 * BK, k_hi,
+                                     BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, True)
+        else:
+            p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
+                                     BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, AHEAD > 0)
         scale = _block_scale(stat, nested, code2_ptr, offset, NESTED)
         if LUT:
-            # The step's bytes loaded in the loop (Triton's pipeline copies them ahead: a load carried across
-            # iterations would not be moved into the dot operand's layout), looked up as they lie there.
-            packed_t = tl.load(w_cols + (k // 2 + j)[:, None], mask=n_ok[None, :], other=0)
+            if AHEAD > 0:
+                packed_t = packed  # [BN, BK/2] as loaded AHEAD steps ago, transposed after the lookups
+            else:
+                # The step's bytes loaded in the loop (Triton's pipeline copies them ahead: a load carried across
+                # iterations would not be moved into the dot operand's layout), looked up as they lie there.
+                packed_t = tl.load(w_cols + (k // 2 + j)[:, None], mask=n_ok[None, :], other=0)
             if NATIVE:
                 # The code of each byte's high or low nibble in x's dtype, from a table held in the instructions
                 # (`lut_asm`): pure unary elementwise ops, so Triton loads the bytes straight into the dot operand's
@@ -188,6 +203,9 @@ def _nf4_lora_linear_kernel(
             else:
                 w_even = tl.load(code_ptr + (packed_t >> 4).to(tl.int32))
                 w_odd = tl.load(code_ptr + (packed_t & 0xF).to(tl.int32))
+            if AHEAD > 0:
+                w_even = tl.trans(w_even)
+                w_odd = tl.trans(w_odd)
         else:
             w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
             w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
@@ -287,7 +305,8 @@ def launch_config(m: int, n: int, k: int, blocksize: int, device: torch.device) 
     if tiles > _COUNTERS:
         splits = 1
     k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, LUT=lut)
+    return dict(BM=bm, BN=bn, BK=bk, splits=cdiv(k, k_per_split), k_per_split=k_per_split, LUT=lut,
+                AHEAD=_LUT_AHEAD if lut else _JOINED_AHEAD)
 
 
 _LUT_BODY = (
@@ -371,6 +390,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
         NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
+        AHEAD=config["AHEAD"] if use_lut else max(2, config["AHEAD"]),  # (the joined form's bytes come ahead)
         REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
