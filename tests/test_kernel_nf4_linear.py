@@ -394,6 +394,15 @@ def test_module_convenience_refuses_a_weight_repacked_for_the_cpu_kernel():
         nf4_lora_linear_from_module(torch.randn(2, 128, dtype=torch.bfloat16), layer)
 
 
+def test_module_convenience_refuses_adapters_that_are_not_plain_lora():
+    peft = pytest.importorskip("peft")
+    model, layer = _lora_model(True, False)
+    model.add_adapter("biased", peft.LoraConfig(r=4, lora_bias=True, target_modules=["proj"]))
+    layer.set_adapter(["default", "biased"])
+    with pytest.raises(ValueError, match="LoRA with a bias: only plain LoRA"), torch.no_grad():
+        nf4_lora_linear_from_module(torch.randn(2, 128, dtype=torch.bfloat16), layer)
+
+
 def test_launch_rule_at_the_qwen_shapes():
     """~4 programs per SM on 132 SMs for the Qwen2.5-1.5B projections (static shapes only)."""
     from fastgrpo.kernels import _dispatch

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
-from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear, active_adapters, four_bit_key, \
-    four_bit_obstacle, lora_factors
+from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear, active_adapters, adapter_obstacle, \
+    four_bit_key, four_bit_obstacle, lora_factors
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
@@ -111,26 +111,16 @@ def _adapter_device(layer: nn.Module) -> torch.device:
     return layer.lora_A[next(iter(layer.lora_A))].weight.device
 
 
-def _adapter_obstacle(layer: nn.Module) -> str | None:
-    """Why the active adapters are not a plain weight sum (None: they are)."""
-    for name in active_adapters(layer):
-        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
-            return "a LoRA variant (DoRA, ...) whose merge is not a weight sum"
-        if layer.lora_B[name].bias is not None:
-            return "LoRA with a bias"
-    return None
-
-
 def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
     """(why this LoRA layer decodes through PEFT's forward, None where it does not; whether it decodes through the
     4-bit kernel rather than a merged weight). Mode "float" takes 4-bit bases to the kernel; "all" merges every
     quantized base into a copy."""
     if is_expert_lora(layer):  # a LoRA on an MoE layer's fused experts: merged into them in place, or not at all
-        return _adapter_obstacle(layer) or expert_lora_obstacle(layer), False
+        return adapter_obstacle(layer) or expert_lora_obstacle(layer), False
     base = layer.base_layer
     weight = getattr(base, "weight", None)
     if _is_quantized(weight):
-        why = _adapter_obstacle(layer)
+        why = adapter_obstacle(layer)
         if why is None and mode != "all":
             return four_bit_obstacle(layer), True
         return why, False
@@ -138,7 +128,7 @@ def _obstacle(layer: nn.Module, mode: str) -> tuple[str | None, bool]:
         return f"base layer is {type(base).__name__}, not nn.Linear", False
     if not weight.is_floating_point():
         return f"base weight of dtype {weight.dtype}", False
-    return _adapter_obstacle(layer), False
+    return adapter_obstacle(layer), False
 
 
 def _merged_tensors(layer: nn.Module) -> tuple:

@@ -2,9 +2,9 @@
 on the live packed weight and the live adapters, no dequantized copy.
 
 `FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call);
-`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason). `lora_factors` reads a PEFT
-layer's active adapters as one (A, B, scaling); `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a
-`Linear4bit` through the kernel.
+`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason), `adapter_obstacle` why a
+layer's adapters are not plain LoRA. `lora_factors` reads a PEFT layer's active adapters as one (A, B, scaling);
+`nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ def active_adapters(layer: nn.Module) -> list[str]:
     return [name for name in layer.active_adapters if name in layer.lora_A]
 
 
+def adapter_obstacle(layer: nn.Module) -> str | None:
+    """Why a PEFT LoRA layer's active adapters are not plain LoRA, a weight sum (None: they are)."""
+    for name in active_adapters(layer):
+        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
+            return "a LoRA variant (DoRA, ...) whose merge is not a weight sum"
+        if layer.lora_B[name].bias is not None:
+            return "LoRA with a bias"
+    return None
+
+
 def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     """(A, B, scaling) of a PEFT LoRA layer's active adapters as one adapter: (None, None, 1.0) when adapters are
     disabled, merged or none is active; one adapter as it is; several joined, A's stacked along r and each B scaled
@@ -26,15 +36,11 @@ def lora_factors(layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float
     Variants (DoRA, ...), LoRA biases and mixed-adapter batches are refused."""
     if layer.disable_adapters or layer.merged:
         return None, None, 1.0
-    factors = []
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
-        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
-            raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA, ...): only plain LoRA runs in nf4_lora_linear")
-        if layer.lora_B[name].bias is not None:
-            raise ValueError(f"adapter {name!r} has a LoRA bias: not supported by nf4_lora_linear")
-        factors.append((layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])))
+    why = adapter_obstacle(layer)
+    if why is not None:
+        raise ValueError(f"{why}: only plain LoRA adapters run in nf4_lora_linear")
+    factors = [(layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+               for name in active_adapters(layer)]
     if not factors:
         return None, None, 1.0
     if len(factors) == 1:
