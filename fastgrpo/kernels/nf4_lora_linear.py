@@ -32,8 +32,10 @@ count (`tile_settings`):
 - joined (more rows, or no `code_values`): each nibble's code gathered from the 16 fp32 codes, scaled, cast to x's
   dtype as bitsandbytes casts it, the even and odd columns set side by side (`tl.join`) to multiply x's [BM, BK] tile
   in one `tl.dot` (at 64 rows the wgmma reads the weight from shared memory, so the register table saves nothing).
-The joined form loads a step's packed bytes two steps ahead (the LUT form in the step: Triton's pipeline copies them
-ahead), x and A tiles one step ahead, so that the gathers and the dots never wait on memory. Its share of x @ A^T (A's
+A step's packed bytes are loaded AHEAD (2 or 3) steps ahead and carried in registers, x and A tiles one step ahead,
+so that the lookups and the dots never wait on memory; the LUT form may instead load its bytes in the step (AHEAD 0,
+its default: Triton's pipeline copies them ahead) and look them up in the dot operand's layout, where with AHEAD they
+are looked up as loaded, then transposed. Its share of x @ A^T (A's
 columns of its K range) rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its
 columns. As that product is linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full
 unless K is not split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter;
@@ -72,7 +74,9 @@ _FEW_ROWS_BLOCK_N = 64
 _FEW_ROWS_LUT = True
 _LUT = False
 # Steps ahead a step's packed bytes are loaded and carried in registers: 2 or 3, or 0 (the register-table form only:
-# loaded in the step, left to Triton's pipeline).
+# loaded in the step, left to Triton's pipeline). The 8-row gate/up launch built for sm_90 (bench/kernel_resources.py's
+# build of it): AHEAD 0 / 2 / 3 take 128 / 127 / 157 registers and 380 / 430 / 433 instructions a K step; their GPU
+# times are `NF4_ARGS="--rows 8 --sweep lut --ahead 0 2 3" bash bench/device_session.sh nf4_forms`'s to measure.
 _LUT_AHEAD = 0
 _JOINED_AHEAD = 2
 _NUM_WARPS = 4
@@ -125,9 +129,10 @@ def _nf4_lora_linear_kernel(
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
-    # A step's packed bytes and block statistics are loaded two steps ahead and its x and A tiles one step ahead,
-    # carried in registers, so that the table lookups (gathers whose addresses are those bytes) and the dots never
-    # wait on HBM or L2 (left to Triton's software pipeline instead, the sweep's calls took 1.5-6x as long).
+    # A step's block statistics are loaded two steps ahead (three at AHEAD 3), its packed bytes AHEAD steps ahead
+    # (AHEAD 0: in the step), its x and A tiles one step ahead, carried in registers, so that the table lookups
+    # (gathers whose addresses are those bytes) and the dots never wait on HBM or L2 (the joined form's bytes left
+    # to Triton's software pipeline instead, the sweep's calls took 1.5-6x as long).
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
