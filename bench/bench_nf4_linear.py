@@ -129,7 +129,7 @@ def sweep_settings(config: dict):
             (nf4_module, "_FEW_ROWS_PROGRAMS_PER_SM", config["per_sm"]), (nf4_module, "_NUM_WARPS", config["warps"]),
             (nf4_module, "_NUM_STAGES", config["stages"]), (nf4_module, "_FEW_ROWS_LUT", config["lut"]),
             (nf4_module, "_LUT", config["lut"]), (nf4_module, "_LUT_AHEAD", config["ahead"]),
-            (nf4_module, "_JOINED_AHEAD", max(2, config["ahead"]))]
+            (nf4_module, "_JOINED_AHEAD", config["ahead"])]
 
 
 def _name(config: dict) -> str:

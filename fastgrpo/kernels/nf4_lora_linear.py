@@ -35,13 +35,13 @@ count (`tile_settings`):
 A step's packed bytes are loaded AHEAD (2 or 3) steps ahead and carried in registers, x and A tiles one step ahead,
 so that the lookups and the dots never wait on memory; the LUT form may instead load its bytes in the step (AHEAD 0,
 its default: Triton's pipeline copies them ahead) and look them up in the dot operand's layout, where with AHEAD they
-are looked up as loaded, then transposed. Its share of x @ A^T (A's
-columns of its K range) rides along on the same x tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its
-columns. As that product is linear in the K parts, splitting K splits the LoRA term with it: no program reads A in full
-unless K is not split. When K is split, every program stores its fp32 partial and counts itself in a per-tile counter;
-the last program of a tile sums all the tile's partials (its own read back) in split order, adds the bias, writes the
-output and resets the counter (the counters need no clearing between calls, and a captured call replays as is). The
-sum's order does not depend on which program arrives last: a call's result is deterministic, eager or captured.
+are looked up as loaded, then transposed. Its share of x @ A^T (A's columns of its K range) rides along on the same x
+tiles; after the loop it adds scaling * (x @ A^T)_part @ B^T for its columns. As that product is linear in the K parts,
+splitting K splits the LoRA term with it: no program reads A in full unless K is not split. When K is split, every
+program stores its fp32 partial and counts itself in a per-tile counter; the last program of a tile sums all the tile's
+partials (its own read back) in split order, adds the bias, writes the output and resets the counter (the counters need
+no clearing between calls, and a captured call replays as is). The sum's order does not depend on which program arrives
+last: a call's result is deterministic, eager or captured.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
@@ -190,33 +190,29 @@ def _nf4_lora_linear_kernel(
             p2, s2, t2 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k + 2 * BK, k_hi,
                                      BLOCKSIZE, NESTED_BLOCKSIZE, NESTED, AHEAD > 0)
         scale = _block_scale(stat, nested, code2_ptr, offset, NESTED)
-        if LUT:
-            if AHEAD > 0:
-                packed_t = packed  # [BN, BK/2] as loaded AHEAD steps ago, transposed after the lookups
-            else:
-                # The step's bytes loaded in the loop (Triton's pipeline copies them ahead: a load carried across
-                # iterations would not be moved into the dot operand's layout), looked up as they lie there.
-                packed_t = tl.load(w_cols + (k // 2 + j)[:, None], mask=n_ok[None, :], other=0)
-            if NATIVE:
-                # The code of each byte's high or low nibble in x's dtype, from a table held in the instructions
-                # (`lut_asm`): pure unary elementwise ops, so Triton loads the bytes straight into the dot operand's
-                # layout and looks them up there.
-                w_even = tl.inline_asm_elementwise(LUT_HIGH, "=r,=r,r", [packed_t], dtype=x_ptr.dtype.element_ty,
-                                                   is_pure=True, pack=4)
-                w_odd = tl.inline_asm_elementwise(LUT_LOW, "=r,=r,r", [packed_t], dtype=x_ptr.dtype.element_ty,
-                                                  is_pure=True, pack=4)
-            else:
-                w_even = tl.load(code_ptr + (packed_t >> 4).to(tl.int32))
-                w_odd = tl.load(code_ptr + (packed_t & 0xF).to(tl.int32))
-            if AHEAD > 0:
-                w_even = tl.trans(w_even)
-                w_odd = tl.trans(w_odd)
+        if LUT and AHEAD == 0:
+            # The step's bytes loaded in the loop as [BK/2, BN] (Triton's pipeline copies them ahead: a load carried
+            # across iterations would not be moved into the dot operand's layout), looked up as they lie there; with
+            # AHEAD, the [BN, BK/2] bytes loaded AHEAD steps ago, transposed after the lookups.
+            packed = tl.load(w_cols + (k // 2 + j)[:, None], mask=n_ok[None, :], other=0)
+        if LUT and NATIVE:
+            # The code of each byte's high or low nibble in x's dtype, from a table held in the instructions
+            # (`lut_asm`): pure unary elementwise ops, so at AHEAD 0 Triton loads the bytes straight into the dot
+            # operand's layout and looks them up there.
+            w_even = tl.inline_asm_elementwise(LUT_HIGH, "=r,=r,r", [packed], dtype=x_ptr.dtype.element_ty,
+                                               is_pure=True, pack=4)
+            w_odd = tl.inline_asm_elementwise(LUT_LOW, "=r,=r,r", [packed], dtype=x_ptr.dtype.element_ty,
+                                              is_pure=True, pack=4)
         else:
             w_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
             w_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+        if not LUT:
             # the weight scaled in fp32, then rounded to x's dtype (below), as bitsandbytes does
             w_even = w_even * scale[:, None]
             w_odd = w_odd * scale[:, None]
+        elif AHEAD > 0:
+            w_even = tl.trans(w_even)
+            w_odd = tl.trans(w_odd)
         if NATIVE:
             if LORA:
                 a = a.to(x_ptr.dtype.element_ty)
