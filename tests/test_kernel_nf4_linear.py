@@ -14,6 +14,7 @@ from fastgrpo.kernels._dispatch import cdiv, triton_on_cpu
 from fastgrpo.kernels import nf4_lora_linear as nf4_module
 from fastgrpo.kernels.nf4_lora_linear import (
     _nf4_lora_linear_op,
+    group_table,
     _triton_nf4_lora_linear,
     kernel_obstacle,
     launch_config,
@@ -94,17 +95,17 @@ def _op_args(inputs):
     """The op's positional arguments after `nf4_lora_linear`'s normalization."""
     k = inputs["x"].shape[-1]
     n = inputs["shape"][0]
-    return (inputs["x"], inputs["packed"].reshape(-1).view(torch.uint8), inputs["absmax"], inputs["code"],
+    return (inputs["x"], [inputs["packed"].reshape(-1).view(torch.uint8)], inputs["absmax"], inputs["code"],
             inputs.get("nested_absmax"), inputs.get("nested_code"),
             None if inputs.get("offset") is None else inputs["offset"].reshape(()), inputs["blocksize"],
             inputs.get("nested_blocksize", 256), n, inputs.get("lora_a"), inputs.get("lora_b"), inputs["scaling"],
-            inputs["bias"], inputs.get("code_values")), (n, k)
+            inputs["bias"], inputs.get("code_values"), None), (n, k)
 
 
 def expected(inputs):
     """The float64 reference: the weight rounded to x's dtype as the kernel takes it, the rest in float64."""
     args, shape = _op_args(inputs)
-    x, packed, absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _ = args
+    x, (packed,), absmax, code, nabs, ncode, offset, bs, nbs, n, a, b, scaling, bias, _, _ = args
     return reference_nf4_lora_linear(x, packed, absmax, code, nabs, ncode, offset, bs, nbs, shape, a, b, scaling, bias,
                                      compute_dtype=torch.float64)
 
@@ -139,6 +140,98 @@ def test_triton_kernel_matches_the_float64_reference(params):
     with triton_on_cpu():
         out = _triton_nf4_lora_linear(*args, config=config)
     check(out, inputs)
+
+
+def _grouped(parts):
+    """One grouped call's keyword arguments (and x) from each weight's `_case` inputs (one x, one scaling)."""
+    first = parts[0]
+    packed = [p["packed"].reshape(-1).view(torch.uint8) for p in parts]
+    rows = [p["shape"][0] for p in parts]
+    k = first["shape"][1]
+    inputs = dict(packed=packed, shape=(sum(rows), k), absmax=torch.cat([p["absmax"] for p in parts]),
+                  code=first["code"], blocksize=first["blocksize"], scaling=first["scaling"],
+                  code_values=first["code_values"], group_table=group_table(packed, rows, k),
+                  bias=None if first["bias"] is None else torch.cat([p["bias"] for p in parts]))
+    if "nested_absmax" in first:
+        inputs.update(nested_absmax=torch.cat([p["nested_absmax"] for p in parts]), nested_code=first["nested_code"],
+                      nested_blocksize=first["nested_blocksize"],
+                      offset=torch.stack([p["offset"].reshape(()) for p in parts]))
+    if "lora_a" in first:
+        inputs.update(lora_a=torch.cat([p["lora_a"] for p in parts]), lora_b=torch.cat([p["lora_b"] for p in parts]))
+    return first["x"], inputs
+
+
+def _group_cases(seed, m, rows, k, blocksize, nested, bias, rank, dtype, lora_dtype):
+    parts = [_case(seed + g, m, n, k, blocksize, nested, bias, rank, dtype, lora_dtype, False)
+             for g, n in enumerate(rows)]
+    for p in parts[1:]:
+        p.update(x=parts[0]["x"], scaling=parts[0]["scaling"])
+    return parts
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 20), st.lists(st.sampled_from([64, 128, 192]), min_size=1, max_size=2),
+       st.integers(1, 100), st.sampled_from([(64, 2), (64, 4), (32, 8), (128, 2)]), st.booleans(), st.booleans(),
+       st.sampled_from([0, 8]), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 3), st.booleans(),
+       st.sampled_from([0, 2]))
+def test_grouped_weights_match_their_own_launches(seed, m, rows, last, k_blocks, nested, bias, rank, dtype, splits, lut,
+                                                   ahead):
+    """Weights stacked along N in one launch (a tile's group found in the table, its bytes where they lie, its
+    nested offset and its adapter's A rows) give each weight's own launch's bits, and the float64 reference."""
+    blocksize, blocks = k_blocks
+    k = blocksize * blocks
+    rows = [4 * r if nested else r for r in rows] + [last]  # (nested: each but the last whole nested blocks)
+    parts = _group_cases(seed, m, rows, k, blocksize, nested, bias, rank, dtype, torch.float32)
+    x, inputs = _grouped(parts)
+    config = launch_config(m, sum(rows), k, blocksize, torch.device("cpu"))
+    per_split = cdiv(cdiv(k, splits), config["BK"]) * config["BK"]
+    config.update(k_per_split=per_split, splits=cdiv(k, per_split), LUT=lut, AHEAD=ahead)
+    with triton_on_cpu():
+        grouped = _triton_nf4_lora_linear(*_op_args_of(x, inputs), config=config)
+        own = [_triton_nf4_lora_linear(*_op_args(p)[0], config=config) for p in parts]
+    assert torch.equal(grouped, torch.cat(own, dim=1))
+    lo = 0
+    for p, n in zip(parts, rows):
+        check(grouped[:, lo:lo + n], p)
+        lo += n
+
+
+def _op_args_of(x, inputs):
+    """The op's positional arguments of a `nf4_lora_linear` call's keyword arguments (grouped or not)."""
+    flats, absmax, code, nabs, ncode, offset = nf4_module._checked_quantization(
+        inputs["packed"], inputs["absmax"], inputs["code"], *inputs["shape"], inputs["blocksize"],
+        inputs.get("nested_absmax"), inputs.get("nested_code"), inputs.get("offset"),
+        inputs.get("nested_blocksize", 256), inputs.get("lora_a"), inputs.get("lora_b"), inputs.get("group_table"))
+    return (x, flats, absmax, code, nabs, ncode, offset, inputs["blocksize"], inputs.get("nested_blocksize", 256),
+            inputs["shape"][0], inputs.get("lora_a"), inputs.get("lora_b"), inputs["scaling"], inputs["bias"],
+            inputs.get("code_values"), inputs.get("group_table"))
+
+
+def test_grouped_call_through_the_wrapper_and_its_reference():
+    """The public call of three grouped weights (q, k, v-like: 128, 64, 64 rows), the interpreter's kernel and the
+    torch path (a group at a time), against each weight's reference; its refusals name the fix."""
+    parts = _group_cases(11, 5, [128, 64, 64], 256, 64, True, True, 8, torch.bfloat16, torch.float32)
+    x, inputs = _grouped(parts)
+    kwargs = {key: value for key, value in inputs.items() if key != "packed"}
+    torch_path = nf4_lora_linear(x, inputs["packed"], **kwargs)
+    with triton_on_cpu():
+        triton_path = nf4_lora_linear(x, inputs["packed"], **kwargs)
+    for out in (torch_path, triton_path):
+        lo = 0
+        for p in parts:
+            n = p["shape"][0]
+            check(out[:, lo:lo + n], p)
+            lo += n
+    with pytest.raises(ValueError, match="group_table"):
+        nf4_lora_linear(x, inputs["packed"], **dict(kwargs, group_table=None))
+    with pytest.raises(ValueError, match="offset of 1 values"):
+        nf4_lora_linear(x, inputs["packed"], **dict(kwargs, offset=inputs["offset"][:1]))
+    with pytest.raises(ValueError, match="stacked"):
+        nf4_lora_linear(x, inputs["packed"], **dict(kwargs, lora_a=inputs["lora_a"][:8]))
+    odd = _group_cases(12, 2, [96, 64], 256, 64, False, False, 0, torch.bfloat16, torch.float32)
+    x, inputs = _grouped(odd)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        nf4_lora_linear(x, inputs.pop("packed"), **inputs)
 
 
 def test_triton_kernel_rank_64_many_rows_and_m_tiles():

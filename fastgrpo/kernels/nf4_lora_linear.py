@@ -85,6 +85,7 @@ _MAX_SPLITS = 32
 _COUNTERS = 16384  # tiles a split call may use
 _REDUCE_ELEMENTS = 8192  # partial values the split-K sum loads at a time (see _reduce_rows)
 _counters: dict[torch.device, torch.Tensor] = {}
+GROUP_ROWS = 64  # every grouped weight but the last has a multiple of this many rows: a column tile lies in one
 
 
 @triton.jit
@@ -119,13 +120,13 @@ def _block_scale(stat, nested, code2_ptr, offset, NESTED: tl.constexpr):
 @triton.jit
 def _nf4_lora_linear_kernel(
     x_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, a_ptr, b_ptr, bias_ptr,
-    out_ptr, part_ptr, count_ptr,
-    M, N, K, K_PER_SPLIT, RANK, scaling,
+    out_ptr, part_ptr, count_ptr, table_ptr,
+    M, N, K, K_PER_SPLIT, RANK, GROUPS, scaling,
     sxm, sxk, sar, sak, sbn, sbr, som,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     R_PAD: tl.constexpr, SPLITS: tl.constexpr, NESTED: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     NATIVE: tl.constexpr, REDUCE_ROWS: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr,
-    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, AHEAD: tl.constexpr,
+    LUT_HIGH: tl.constexpr, LUT_LOW: tl.constexpr, AHEAD: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     # BK divides BLOCKSIZE, BLOCKSIZE divides K and K_PER_SPLIT is a multiple of BK: no step needs a K mask, and a
     # step of a weight row lies in one quantization block.
@@ -136,6 +137,9 @@ def _nf4_lora_linear_kernel(
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
+    # GROUPED: GROUPS weights stacked along N, each tile in one (`_group_table`: table[g] is where group g's bytes
+    # lie, as an offset from w_ptr less its first row times K/2; table[GROUPS + n] is row n's group); group g's
+    # adapter is A's rows g*RANK... and its nested offset offset[g]. Ungrouped: group 0, the bytes at w_ptr.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -147,6 +151,11 @@ def _nf4_lora_linear_kernel(
     n_ok = rn < N
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if GROUPED:
+        group = tl.load(table_ptr + GROUPS + pid_n * BN)
+        w_ptr += tl.multiple_of(tl.load(table_ptr + group), 16)
+    else:
+        group = 0
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * (K // 2)  # (LUT: the step's bytes as a [BK/2, BN] tile)
     # x rows past M and A rows past the rank read the last real one (unmasked loads: their products land in output
@@ -154,14 +163,14 @@ def _nf4_lora_linear_kernel(
     x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * sxm
     first_block = rn.to(tl.int64) * (K // BLOCKSIZE)
     if NESTED:
-        offset = tl.load(offset_ptr).to(tl.float32)
+        offset = tl.load(offset_ptr + group).to(tl.float32)
     else:
         offset = 0.0  # (not read: `_block_scale` takes it when NESTED)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LORA:
         rr = tl.arange(0, R_PAD)
         r_ok = rr < RANK
-        a_rows = a_ptr + tl.minimum(rr, RANK - 1)[:, None] * sar
+        a_rows = a_ptr + (group * RANK + tl.minimum(rr, RANK - 1))[:, None] * sar
         xa = tl.zeros((BM, R_PAD), dtype=tl.float32)
     p1, s1, t1 = _step_loads(w_rows, absmax_ptr, absmax2_ptr, first_block, j, n_ok, k_lo, k_hi, BLOCKSIZE,
                              NESTED_BLOCKSIZE, NESTED, AHEAD > 0)
@@ -359,12 +368,31 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
     return buffer
 
 
+def group_table(packed: list[torch.Tensor], widths: list[int], k: int) -> torch.Tensor:
+    """The int64 table of a grouped call (weights stacked along N; see the kernel): where each group's bytes lie from
+    packed[0]'s, less its first row times K/2, then each output row's group. Hold it for the weights' life (a CUDA
+    graph that captured a call reads it at every replay); the bytes must not move."""
+    if any(p.data_ptr() % 16 for p in packed):
+        raise ValueError("grouped nf4_lora_linear: every group's packed bytes must start 16-byte aligned")
+    starts, groups, row = [], [], 0
+    for g, (p, width) in enumerate(zip(packed, widths)):
+        starts.append(p.data_ptr() - packed[0].data_ptr() - row * (k // 2))
+        groups += [g] * width
+        row += width
+    return torch.tensor(starts + groups, dtype=torch.int64, device=packed[0].device)
+
+
 def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                            nested_blocksize, n, lora_a, lora_b, scaling, bias, code_values=None, config=None):
+                            nested_blocksize, n, lora_a, lora_b, scaling, bias, code_values=None, table=None,
+                            config=None):
     """x2 [M, K] (any strides) through the kernel; `config` overrides `launch_config` (tests). The config's LUT form
     runs where `code_values` (the codes on the host) are given or off CUDA (the interpreter gathers from `code`);
-    else the joined one."""
+    else the joined one. `packed`: the weight's flat bytes, or a list of each group's with their `group_table` (see
+    `nf4_lora_linear`)."""
     m, k = x2.shape
+    groups = len(packed) if isinstance(packed, (list, tuple)) else 1
+    grouped = groups > 1
+    packed = packed[0] if isinstance(packed, (list, tuple)) else packed
     config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
     out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
@@ -377,22 +405,22 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     native = cuda and x2.dtype != torch.float32
     nested = nested_absmax is not None
     lora = lora_a is not None
-    rank = lora_a.shape[0] if lora else 0
+    rank = (lora_b.shape[1] if grouped else lora_a.shape[0]) if lora else 0  # (a group's rank when grouped)
     use_lut = config["LUT"] and (not native or code_values is not None)
     lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
     _nf4_lora_linear_kernel[grid](
         x2, packed, absmax, code, nested_absmax if nested else absmax,
         nested_code if nested else code, offset if nested else code, lora_a if lora else x2,
         lora_b if lora else x2, bias if bias is not None else out,
-        out, part, counters,
-        m, n, k, config["k_per_split"], rank, float(scaling),
+        out, part, counters, table if grouped else out,
+        m, n, k, config["k_per_split"], rank, groups, float(scaling),
         x2.stride(0), x2.stride(1), lora_a.stride(0) if lora else 0, lora_a.stride(1) if lora else 0,
         lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0, out.stride(0),
         BM=config["BM"], BN=config["BN"], BK=config["BK"], BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
         R_PAD=max(16, next_power_of_2(rank)), SPLITS=splits, NESTED=nested, LORA=lora, BIAS=bias is not None,
         NATIVE=native, PRECISION=None if native else "ieee", LUT=use_lut, LUT_HIGH=lut_high, LUT_LOW=lut_low,
         AHEAD=config["AHEAD"] if use_lut else max(2, config["AHEAD"]),  # (the joined form's bytes come ahead)
-        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits),
+        REDUCE_ROWS=_reduce_rows(config["BM"], config["BN"], splits), GROUPED=grouped,
         num_warps=_NUM_WARPS if cuda else 1,
         num_stages=_NUM_STAGES if cuda else 1,
     )  # fmt: skip
@@ -454,33 +482,61 @@ def kernel_obstacle(t: torch.Tensor, blocksize: int, k: int, rank: int) -> str |
     return None
 
 
-def _takes_triton(x2, blocksize, k, lora_a) -> bool:
-    return kernel_obstacle(x2, blocksize, k, 0 if lora_a is None else lora_a.shape[0]) is None
+def _group_parts(packed, absmax, nested_absmax, offset, blocksize, nested_blocksize, k, lora_a, lora_b, bias):
+    """Each group's (packed, absmax, nested_absmax, offset, lora_a, lora_b, bias, rows) of a grouped call."""
+    row = block = 0
+    rank = 0 if lora_b is None else lora_b.shape[1]
+    for g, p in enumerate(packed):
+        rows = p.numel() * 2 // k
+        blocks = rows * k // blocksize
+        nested = None
+        if nested_absmax is not None:
+            nested = nested_absmax[block // nested_blocksize:cdiv(block + blocks, nested_blocksize)]
+        yield (p, absmax[block:block + blocks], nested, None if offset is None else offset[g],
+               None if lora_a is None else lora_a[g * rank:(g + 1) * rank],
+               None if lora_b is None else lora_b[row:row + rows], None if bias is None else bias[row:row + rows], rows)
+        row, block = row + rows, block + blocks
+
+
+def _reference(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, n, lora_a,
+               lora_b, scaling, bias):
+    """The op's torch path, in x's dtype: `reference_nf4_lora_linear`, a group at a time for a grouped call."""
+    k = x2.shape[1]
+    if len(packed) == 1:
+        return reference_nf4_lora_linear(x2, packed[0], absmax, code, nested_absmax, nested_code, offset, blocksize,
+                                         nested_blocksize, (n, k), lora_a, lora_b, scaling, bias).to(x2.dtype)
+    return torch.cat([
+        reference_nf4_lora_linear(x2, p, a, code, nested, nested_code, off, blocksize, nested_blocksize, (rows, k),
+                                  la, lb, scaling, b).to(x2.dtype)
+        for p, a, nested, off, la, lb, b, rows in _group_parts(packed, absmax, nested_absmax, offset, blocksize,
+                                                                nested_blocksize, k, lora_a, lora_b, bias)], dim=1)
 
 
 @torch.library.custom_op("fastgrpo::nf4_lora_linear", mutates_args=())
-def _nf4_lora_linear_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+def _nf4_lora_linear_op(x: torch.Tensor, packed: list[torch.Tensor], absmax: torch.Tensor, code: torch.Tensor,
                         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                         offset: torch.Tensor | None, blocksize: int, nested_blocksize: int, out_features: int,
                         lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
-                        bias: torch.Tensor | None, code_values: list[float] | None) -> torch.Tensor:
+                        bias: torch.Tensor | None, code_values: list[float] | None,
+                        group_table: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    rank = 0 if lora_b is None else lora_b.shape[1]
     if x2.shape[0] == 0:
         out = x2.new_empty(0, out_features)
-    elif _takes_triton(x2, blocksize, k, lora_a):
+    elif kernel_obstacle(x2, blocksize, k, rank) is None:
         out = _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, code_values)
+                                      nested_blocksize, out_features, lora_a, lora_b, scaling, bias, code_values,
+                                      table=group_table)
     else:
-        out = reference_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize,
-                                        nested_blocksize, (out_features, k), lora_a, lora_b, scaling,
-                                        bias).to(x.dtype)
+        out = _reference(x2, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize,
+                         out_features, lora_a, lora_b, scaling, bias)
     return out.reshape(*x.shape[:-1], out_features)
 
 
 @_nf4_lora_linear_op.register_fake
 def _(x, packed, absmax, code, nested_absmax, nested_code, offset, blocksize, nested_blocksize, out_features,
-      lora_a, lora_b, scaling, bias, code_values):
+      lora_a, lora_b, scaling, bias, code_values, group_table):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -507,16 +563,34 @@ def _state_args(quant_state) -> dict:
     return args
 
 
-def _checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset,
-                         nested_blocksize, lora_a, lora_b):
-    """The 4-bit weight's tensors and the LoRA factors checked against an (n, k) weight (a clear error naming the
-    fix otherwise), then as the ops take them: (packed bytes flat as uint8, absmax, code as fp32, nested_absmax as
-    fp32, nested_code as fp32, offset 0-d), the nested ones None when not double-quantized."""
+def _flat_bytes(packed: torch.Tensor) -> torch.Tensor:
     flat = packed.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)  # another quant_storage dtype: the same bytes
-    if flat.numel() != (n * k + 1) // 2:
-        raise ValueError(f"{flat.numel()} packed bytes for a ({n}, {k}) weight: expected {(n * k + 1) // 2} "
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)  # another quant_storage dtype: the same bytes
+
+
+def _checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset,
+                          nested_blocksize, lora_a, lora_b, group_table):
+    """The 4-bit weight's tensors and the LoRA factors checked against an (n, k) weight (a clear error naming the
+    fix otherwise), then as the ops take them: (each group's packed bytes flat as uint8, absmax, code as fp32,
+    nested_absmax as fp32, nested_code as fp32, offset 0-d, or one a group), the nested ones None when not
+    double-quantized."""
+    flats = [_flat_bytes(p) for p in (packed if isinstance(packed, (list, tuple)) else [packed])]
+    groups = len(flats)
+    if groups > 1:
+        rows = [2 * f.numel() // k for f in flats]
+        fix = "(group_table(packed, widths, K) builds the table; widths: each group's rows)"
+        if k % blocksize or sum(rows) != n or any(2 * f.numel() != r * k for f, r in zip(flats, rows)):
+            raise ValueError(f"grouped weights of {[f.numel() for f in flats]} packed bytes for a ({n}, {k}) weight: "
+                             f"K a multiple of the blocksize and whole rows of K a group, {n} in all")
+        if any(r % GROUP_ROWS for r in rows[:-1]):
+            raise ValueError(f"grouped weights of {rows} rows: each but the last a multiple of {GROUP_ROWS}")
+        if group_table is None or group_table.numel() != groups + n:
+            raise ValueError(f"a grouped call needs its group_table of {groups + n} entries {fix}")
+        if nested_absmax is not None and any(r * k // blocksize % nested_blocksize for r in rows[:-1]):
+            raise ValueError(f"grouped double-quantized weights: each but the last needs a multiple of "
+                             f"{nested_blocksize} blocks")
+    elif flats[0].numel() != (n * k + 1) // 2:
+        raise ValueError(f"{flats[0].numel()} packed bytes for a ({n}, {k}) weight: expected {(n * k + 1) // 2} "
                          f"(quant_state_args(weight.quant_state) gives the weight's shape and statistics)")
     if blocksize <= 0 or blocksize & (blocksize - 1) or blocksize < 32:
         raise ValueError(f"blocksize {blocksize}: a power of 2 of at least 32 (bitsandbytes' 4-bit blocksizes)")
@@ -527,34 +601,45 @@ def _checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, 
     if any(t is not None for t in nested):
         if any(t is None for t in nested) or absmax.dtype != torch.uint8:
             raise ValueError("double quantization needs uint8 absmax codes, nested_absmax, nested_code and offset")
-        if nested_absmax.numel() != cdiv(absmax.numel(), nested_blocksize) or nested_code.numel() != 256:
+        if groups > 1:  # each group's nested blocks from the start of its own
+            want = sum(cdiv(2 * f.numel() // blocksize, nested_blocksize) for f in flats)
+        else:
+            want = cdiv(absmax.numel(), nested_blocksize)
+        if nested_absmax.numel() != want or nested_code.numel() != 256:
             raise ValueError(f"nested_absmax of {nested_absmax.numel()} blocks and nested_code of "
-                             f"{nested_code.numel()} levels: expected {cdiv(absmax.numel(), nested_blocksize)}, 256")
-        offset = offset.reshape(())
+                             f"{nested_code.numel()} levels: expected {want}, 256")
+        if offset.numel() != groups:
+            raise ValueError(f"offset of {offset.numel()} values: expected one a group ({groups})")
+        offset = offset.reshape(groups) if groups > 1 else offset.reshape(())
     elif absmax.dtype == torch.uint8:
         raise ValueError("uint8 absmax is double-quantized: pass nested_absmax, nested_code and offset")
     if (lora_a is None) != (lora_b is None):
         raise ValueError("pass both lora_a and lora_b, or neither")
     if lora_a is not None:
-        r = lora_a.shape[0]
-        if lora_a.shape != (r, k) or lora_b.shape != (n, r):
-            raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)}: expected ({r}, {k}) "
-                             f"and ({n}, {r})")
-    return (flat, absmax.reshape(-1), code.reshape(-1).float(),
+        r = lora_b.shape[-1]
+        if lora_a.shape != (groups * r, k) or lora_b.shape != (n, r):
+            raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)}: expected "
+                             f"({groups * r}, {k}) and ({n}, {r})" + (" (each group's A, of equal ranks, stacked)"
+                                                                      if groups > 1 else ""))
+    return (flats, absmax.reshape(-1), code.reshape(-1).float(),
             None if nested_absmax is None else nested_absmax.reshape(-1).float(),
             None if nested_code is None else nested_code.reshape(-1).float(), offset)
 
 
-def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, *,
-                    shape: tuple[int, int], blocksize: int = 64, nested_absmax: torch.Tensor | None = None,
-                    nested_code: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                    nested_blocksize: int = 256, lora_a: torch.Tensor | None = None,
-                    lora_b: torch.Tensor | None = None, scaling: float = 1.0,
-                    bias: torch.Tensor | None = None, code_values: tuple[float, ...] | None = None) -> torch.Tensor:
+def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor | list[torch.Tensor], absmax: torch.Tensor,
+                    code: torch.Tensor, *, shape: tuple[int, int], blocksize: int = 64,
+                    nested_absmax: torch.Tensor | None = None, nested_code: torch.Tensor | None = None,
+                    offset: torch.Tensor | None = None, nested_blocksize: int = 256,
+                    lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None, scaling: float = 1.0,
+                    bias: torch.Tensor | None = None, code_values: tuple[float, ...] | None = None,
+                    group_table: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring; `quant_state_args(weight.quant_state)` gives the quantization arguments.
     `code_values`: code's 16 values on the host (values that disagree with code give wrong weights), or None (then
     the joined form runs at every row count). For sampling only: no autograd, so a call with grad-requiring inputs
-    is refused (run it under torch.no_grad())."""
+    is refused (run it under torch.no_grad()).
+    Grouped (several weights reading x in one launch): `packed` a list of each weight's bytes, `shape` (their rows in
+    all, K), absmax, nested_absmax, bias and lora_b the weights' concatenated in order, offset one a weight, lora_a
+    their adapters' A (of one rank) stacked, code and nested_code shared, and `group_table(packed, rows, K)`."""
     tensors = (x, lora_a, lora_b, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("fastgrpo nf4_lora_linear has no backward (it samples): call it under torch.no_grad()")
@@ -563,12 +648,14 @@ def nf4_lora_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     n, k = (int(s) for s in shape)
     if x.shape[-1] != k:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape ({n}, {k})")
-    flat, absmax, code, nested_absmax, nested_code, offset = _checked_quantization(
-        packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b)
+    flats, absmax, code, nested_absmax, nested_code, offset = _checked_quantization(
+        packed, absmax, code, n, k, blocksize, nested_absmax, nested_code, offset, nested_blocksize, lora_a, lora_b,
+        group_table)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected ({n},)")
     if code_values is not None and len(code_values) != 16:
         raise ValueError(f"{len(code_values)} code_values: expected code's 16 values")
-    return _nf4_lora_linear_op(x, flat, absmax, code, nested_absmax, nested_code, offset,
+    return _nf4_lora_linear_op(x, flats, absmax, code, nested_absmax, nested_code, offset,
                                int(blocksize), int(nested_blocksize), n, lora_a, lora_b, float(scaling), bias,
-                               None if code_values is None else [float(v) for v in code_values])
+                               None if code_values is None else [float(v) for v in code_values],
+                               group_table if len(flats) > 1 else None)
