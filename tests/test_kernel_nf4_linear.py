@@ -570,6 +570,51 @@ def test_gpu_kernel_at_real_shapes_and_in_a_cuda_graph(m, n, k, lut, ahead, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64])
+@pytest.mark.parametrize("rows", [(1536, 256, 256), (8960, 8960)])
+def test_gpu_grouped_weights_at_real_shapes_and_in_a_cuda_graph(m, rows):
+    """The 1.5B shape's q/k/v and gate/up, each weight scaled differently (other nested offsets), in one launch: the
+    bits of each weight's own launch at the grouped call's tiles and splits, near bitsandbytes + PEFT, and replayed
+    in a CUDA graph."""
+    k = 1536
+    cases = [_gpu_case(m, n, k, bias=len(rows) == 3, seed=g) for g, n in enumerate(rows)]
+    x = cases[0][0]
+    packed = [c[1].reshape(-1) for c in cases]
+    states = [c[2] for c in cases]
+    for g, state in enumerate(states):  # other scales a weight
+        state.offset = state.offset * (g + 1)
+        state.state2.absmax = state.state2.absmax * (g + 1)
+    args = [quant_state_args(state) for state in states]
+    kwargs = dict(shape=(sum(rows), k), absmax=torch.cat([a["absmax"] for a in args]), code=args[0]["code"],
+                  nested_absmax=torch.cat([a["nested_absmax"] for a in args]), nested_code=args[0]["nested_code"],
+                  offset=torch.stack([a["offset"].reshape(()) for a in args]), code_values=args[0]["code_values"],
+                  lora_a=torch.cat([c[3] for c in cases]), lora_b=torch.cat([c[4] for c in cases]), scaling=2.0,
+                  bias=torch.cat([c[5] for c in cases]) if cases[0][5] is not None else None,
+                  group_table=group_table(packed, list(rows), k))
+    with torch.no_grad():
+        out = nf4_lora_linear(x, packed, **kwargs)
+        config = launch_config(m, sum(rows), k, 64, x.device)
+        lo = 0
+        for (_, p, state, a, b, bias), n in zip(cases, rows):
+            want = _bnb_lora(x, p, state, a, b, 2.0, bias)
+            assert (out[:, lo:lo + n].float() - want).abs().max().item() <= 1.6e-2 * max(1.0, want.abs().max().item())
+            own = _triton_nf4_lora_linear(x, p.reshape(-1), *_op_args_of(x, dict(
+                packed=p, **quant_state_args(state), lora_a=a, lora_b=b, scaling=2.0, bias=bias))[2:15],
+                config=config)
+            torch.testing.assert_close(out[:, lo:lo + n], own, atol=0, rtol=0)
+            lo += n
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = nf4_lora_linear(static_x, packed, **kwargs)
+        for seed in (1, 2):
+            static_x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16,
+                                       generator=torch.Generator(device="cuda").manual_seed(seed)))
+            graph.replay()
+            torch.testing.assert_close(captured, nf4_lora_linear(static_x, packed, **kwargs), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_module_convenience_matches_peft():
     peft = pytest.importorskip("peft")
 
