@@ -18,14 +18,16 @@ PROMPT_LENGTHS = (5, 11, 3, 8)
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
 
-def tiny_lm(arch, seed=0):
-    """A random-init LM whose logits are peaked (large init), so greedy tokens vary and ties are unlikely."""
+def tiny_lm(arch, seed=0, **overrides):
+    """A random-init LM whose logits are peaked (large init), so greedy tokens vary and ties are unlikely
+    (`overrides`: config fields)."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch](
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
-        initializer_range=0.5, pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS,
-    )  # fmt: skip
+    config = CONFIGS[arch](**{
+        **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+               initializer_range=0.5, pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS),
+        **overrides,
+    })  # fmt: skip
     return AutoModelForCausalLM.from_config(config).eval()
 
 

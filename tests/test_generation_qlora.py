@@ -15,19 +15,20 @@ from tests.test_generation import (
 )
 
 
-def qlora_lm(arch="qwen2", dtype=torch.float32, device="cpu", lora=True):
-    """`tiny_lm` with every decoder linear a bitsandbytes NF4 `Linear4bit` (double-quantized, computing in `dtype`)
-    quantized from the same init, then (`lora`) LoRA on all of them. On CPU in bitsandbytes' own layout (no
-    repacking for its CPU kernel, which the 4-bit kernel does not read). Each interpreted kernel launch takes tens
-    of ms: tests keep the decodes short."""
+def qlora_lm(arch="qwen2", dtype=torch.float32, device="cpu", lora=True, nested=True, **overrides):
+    """`tiny_lm` (`overrides`: config fields) with every decoder linear a bitsandbytes NF4 `Linear4bit`
+    (double-quantized unless not `nested`, computing in `dtype`) quantized from the same init, then (`lora`) LoRA on
+    all of them. On CPU in bitsandbytes' own layout (no repacking for its CPU kernel, which the 4-bit kernel does not
+    read). Each interpreted kernel launch takes tens of ms: tests keep the decodes short."""
     bnb = pytest.importorskip("bitsandbytes")
-    model = tiny_lm(arch).to(dtype)
+    model = tiny_lm(arch, **overrides).to(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child is not model.lm_head:
                 quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                               compute_dtype=dtype, quant_type="nf4")
-                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                                      compress_statistics=nested)
                 if child.bias is not None:
                     quantized.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 quantized.support_avx512bf16_for_cpu = False
@@ -62,8 +63,8 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
         warnings.simplefilter("error", GenerationFallbackWarning)
         first = generator.generate(prompts(), temperature=0)
         assert first == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
-        assert generator.lora_decoding == {"merge_lora": "float", "merged": 0, "nf4_kernel": 8,
-                                           "adapters_forward": {}}
+        assert generator.lora_decoding == {"merge_lora": "float", "merged": 0, "nf4_kernel": 8, "nf4_groups": 0,
+                                           "nf4_ungrouped": {}, "adapters_forward": {}}
         merged = generator.engine._merged
         assert merged.copies == [] and generator.engine._adapters._entries == []
         with torch.no_grad():
@@ -89,6 +90,38 @@ def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
         assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 5, eos=VOCAB + 1)
     assert generator.engine.backend.compiles == 1
     assert generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
+    # k and v of 32 rows, gate's 128 blocks not whole nested blocks of 256: each launched alone, the reasons counted
+    assert generator.lora_decoding["nf4_groups"] == 0
+    assert generator.lora_decoding["nf4_ungrouped"] == {"a layer's output width is not a multiple of 64": 6,
+                                                        "a layer's blocks are not whole nested blocks": 4}
+
+
+def test_qlora_sibling_layers_decode_as_one_grouped_launch(monkeypatch):
+    """q/k/v and gate/up (widths 64, 64, 64 and 128, 128; single quantization) each decode as one grouped launch,
+    traced into the compiled decode layer: the greedy tokens of the unswapped model and of one launch a layer; an
+    update of the adapters is seen by the next call (the group's factors refreshed)."""
+    from fastgrpo.integrations.generation import adapters
+    from fastgrpo.kernels._dispatch import triton_on_cpu
+
+    torch._dynamo.reset()
+    model = qlora_lm(nested=False, num_key_value_heads=2)
+    generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=4, compile=True, compile_backend="eager")
+    with triton_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("error", GenerationFallbackWarning)
+        grouped = generator.generate(prompts(), temperature=0)
+        assert grouped == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
+        assert generator.lora_decoding["nf4_groups"] == 4 and generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
+        assert generator.engine.backend.compiles == 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-3.0)
+        updated = generator.generate(prompts(), temperature=0)
+        assert updated != grouped and updated == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
+        monkeypatch.setattr(adapters, "GROUP_FOUR_BIT", False)
+        alone = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=4)
+        assert alone.generate(prompts(), temperature=0) == updated
+        assert alone.lora_decoding["nf4_groups"] == 0
 
 
 def test_qlora_several_active_adapters_and_disabled_adapters():

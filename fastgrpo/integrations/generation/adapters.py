@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
-from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear, active_adapters, adapter_obstacle, \
-    four_bit_key, four_bit_obstacle, lora_factors
+from fastgrpo.integrations.generation.four_bit import GROUP_NAMES, FourBitGroup, FourBitLoRALinear, \
+    active_adapters, adapter_obstacle, four_bit_key, four_bit_obstacle, group_obstacle, lora_factors
 from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
@@ -90,6 +90,9 @@ MERGE_MODES = ("float", "all", "none")
 # Merged q, k and v decode as one GEMM over a joined copy (`joined.py`). `python bench/bench_generation.py
 # --join-qkv 0` times the rollouts without it.
 JOIN_QKV = True
+# 4-bit q/k/v and gate/up decode as one grouped launch each (`four_bit.FourBitGroup`); the QLoRA whole step's A/B:
+# `QLORA_AB=";fastgrpo.integrations.generation.adapters.GROUP_FOUR_BIT=0" bash bench/device_session.sh qlora_ab`.
+GROUP_FOUR_BIT = True
 # Merges of plain LoRA over bf16/fp16/fp32 bases run `fastgrpo.kernels.lora_merge` (one pass a weight, the delta never
 # in memory); False runs PEFT's delta and torch's passes for them too (the A/B of `python bench/bench_generation.py
 # --shape llama-3.1-8b --cases 64x512 --generations 8 --merge-kernel 0`).
@@ -160,6 +163,20 @@ class MergeNotUndone(RuntimeError):
     """An in-place LoRA merge did not give the base weight its exact bits back."""
 
 
+def _in_four_bit_group(linear: nn.Module) -> bool:
+    return isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitGroup)
+
+
+def sibling_groups(targets: list[tuple[nn.Module, str, nn.Module]], names: tuple[tuple[str, ...], ...]) -> list:
+    """Groups of (parent, name, layer) among `targets`: under one parent, every name of one of `names`' tuples, in
+    its order."""
+    by_parent: dict[int, dict[str, tuple]] = {}
+    for target in targets:
+        by_parent.setdefault(id(target[0]), {})[target[1]] = target
+    return [[members[n] for n in group] for members in by_parent.values() for group in names
+            if all(n in members for n in group)]
+
+
 @dataclass
 class _Merge:
     parent: nn.Module
@@ -208,6 +225,8 @@ class MergedAdapters:
         self.not_merged: dict[str, int] = {}  # reason -> LoRA layers left to the adapters' own forward
         self.merged_layers = 0  # LoRA layers decoding from merged weights
         self.nf4_layers = 0  # LoRA layers decoding through fastgrpo::nf4_lora_linear (4-bit bases, mode "float")
+        self.nf4_groups = 0  # groups of them decoding as one launch (`FourBitGroup`)
+        self.ungrouped: dict[str, int] = {}  # reason -> 4-bit layers of a sibling group decoding one launch each
         self.version = 0  # bumped when the decoding weights are new tensors (graphs that read the old ones are stale)
 
     @property
@@ -215,7 +234,7 @@ class MergedAdapters:
         """The device copies held (weights merged out of place; a joined group's weight once)."""
         copies = {}
         for e in self._entries:
-            if isinstance(e.linear, FourBitLoRALinear) or e.in_place:
+            if isinstance(e.linear, FourBitLoRALinear) or e.in_place or _in_four_bit_group(e.linear):
                 continue
             weight = e.linear.joined.weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
             copies[id(weight)] = weight
@@ -224,7 +243,8 @@ class MergedAdapters:
     @property
     def joined_groups(self) -> int:
         """Groups of projections decoding as one GEMM (`joined.py`)."""
-        return len({id(e.linear.joined) for e in self._entries if isinstance(e.linear, JoinedSlice)})
+        return len({id(e.linear.joined) for e in self._entries
+                    if isinstance(e.linear, JoinedSlice) and not _in_four_bit_group(e.linear)})
 
     def release(self) -> None:
         self._entries, self._key = [], ()
@@ -317,15 +337,20 @@ class MergedAdapters:
             if isinstance(e.linear, FourBitLoRALinear):
                 e.linear.refresh()
                 continue
+            if _in_four_bit_group(e.linear):
+                if e.linear.index == 0:
+                    e.linear.joined.refresh()
+                continue
             factors = self._factors(e.layer)
             if not e.in_place:
-                target = e.linear.merge_weight if isinstance(e.linear, JoinedSlice) else e.linear.weight
+                target, bias = (e.linear.joined.rows(e.linear.index) if isinstance(e.linear, JoinedSlice)
+                                else (e.linear.weight, None))
                 if factors is not None:
                     lora_merge_into(target, e.layer.base_layer.weight, *factors)
                 else:
                     target.copy_(dequantize_module_weight(e.layer.base_layer).to(torch.float32) + self._delta(e.layer))
-                if isinstance(e.linear, JoinedSlice) and e.linear.merge_bias is not None:  # its rows of the bias
-                    e.linear.merge_bias.copy_(e.layer.base_layer.bias)
+                if bias is not None:  # a joined projection's rows of the bias
+                    bias.copy_(e.layer.base_layer.bias)
                 continue  # (a copy linear shares the base's bias)
             if factors is not None:
                 e.stats = torch.zeros(STATS, dtype=torch.int64, device=e.param.device)
@@ -389,7 +414,7 @@ class MergedAdapters:
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
         if self.mode == "none":
-            self.not_merged, self.merged_layers, self.nf4_layers = {}, 0, 0
+            self.not_merged, self.merged_layers, self.nf4_layers, self.nf4_groups, self.ungrouped = {}, 0, 0, 0, {}
             yield 0
             return
         targets = self._targets(model)
@@ -412,6 +437,17 @@ class MergedAdapters:
                                                 self._copy_dtype(layers[0]), _adapter_device(layers[0]),
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
+                    joined[id(layer)] = _Merge(parent, name, layer, piece)
+            self.nf4_groups, self.ungrouped = 0, {}
+            four_bit = [(parent, name, layer) for parent, name, layer, four_bit in targets if four_bit]
+            for group in sibling_groups(four_bit, GROUP_NAMES) if GROUP_FOUR_BIT else []:
+                members = [FourBitLoRALinear(layer) for _, _, layer in group]
+                why = group_obstacle(members)
+                if why is not None:
+                    self.ungrouped[why] = self.ungrouped.get(why, 0) + len(members)
+                    continue
+                self.nf4_groups += 1
+                for (parent, name, layer), piece in zip(group, FourBitGroup(members).slices()):
                     joined[id(layer)] = _Merge(parent, name, layer, piece)
             self._entries = [e for target in targets
                              for e in ([joined[id(target[2])]] if id(target[2]) in joined

@@ -1,9 +1,10 @@
 """LoRA linears over a bitsandbytes 4-bit base (QLoRA) while the rollout engine decodes: `fastgrpo::nf4_lora_linear`
 on the live packed weight and the live adapters, no dequantized copy.
 
-`FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call);
-`four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason), `adapter_obstacle` why a
-layer's adapters are not plain LoRA. `lora_factors` reads a PEFT layer's active adapters as one (A, B, scaling);
+`FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call), a
+`FourBitGroup` for sibling ones reading one input (an attention's q, k and v; an MLP's gate and up: one launch a group,
+`group_obstacle` says why not); `four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason),
+`adapter_obstacle` why a layer's adapters are not plain LoRA. `lora_factors` reads a PEFT layer's active adapters as one (A, B, scaling);
 `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
 """
 from __future__ import annotations
@@ -11,7 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgrpo.kernels.nf4_lora_linear import kernel_obstacle, nf4_lora_linear, quant_state_args
+from fastgrpo.integrations.generation.joined import joined_slices
+from fastgrpo.kernels.nf4_lora_linear import GROUP_ROWS, MAX_RANK, group_table, kernel_obstacle, nf4_lora_linear, \
+    quant_state_args
+
+# Sibling projections read by one input, in the order HF modules call them: a group of 4-bit layers decodes as one
+# grouped launch (`FourBitGroup`).
+GROUP_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def active_adapters(layer: nn.Module) -> list[str]:
@@ -137,3 +144,97 @@ def four_bit_key(layer: nn.Module) -> tuple:
     tensors = [base.weight, base.bias] + [f[n].weight for n in names for f in (layer.lora_A, layer.lora_B)]
     return (id(base.weight.quant_state), tuple(None if t is None else t.data_ptr() for t in tensors),
             tuple(float(layer.scaling[n]) for n in names))
+
+
+def group_obstacle(members: list[FourBitLoRALinear]) -> str | None:
+    """Why sibling `FourBitLoRALinear`s reading one input cannot decode as one grouped launch (None: they can)."""
+    first = members[0]
+    quant = [m.quant for m in members]
+    rows = [q["shape"][0] for q in quant]
+    ranks = {0 if m.lora_a is None else m.lora_a.shape[0] for m in members}
+    if len({(m.in_features, m.compute_dtype, m.packed.device) for m in members}) != 1:
+        return "the layers differ in input width, compute dtype or device"
+    if len({(q["blocksize"], q["code_values"], "nested_absmax" in q) for q in quant}) != 1:
+        return "the layers differ in quantization (blocksize, code, double quantization)"
+    if "nested_absmax" in quant[0] and any(
+            q["nested_blocksize"] != quant[0]["nested_blocksize"] or not torch.equal(q["nested_code"],
+                                                                                     quant[0]["nested_code"])
+            for q in quant):
+        return "the layers' double quantizations differ"
+    if any(r % GROUP_ROWS for r in rows[:-1]):
+        return f"a layer's output width is not a multiple of {GROUP_ROWS}"
+    if "nested_absmax" in quant[0] and any(r * first.in_features // quant[0]["blocksize"]
+                                           % quant[0]["nested_blocksize"] for r in rows[:-1]):
+        return "a layer's blocks are not whole nested blocks"
+    if len(ranks) != 1 or max(ranks) > MAX_RANK or len({m.bias is None for m in members}) != 1:
+        return "the layers' LoRA ranks differ (or exceed the kernel's), or some have a bias and some not"
+    if any(m.packed.data_ptr() % 16 for m in members):
+        return "a packed weight does not start 16-byte aligned"
+    return None
+
+
+class FourBitGroup(nn.Module):
+    """Sibling `FourBitLoRALinear`s that read one input (`group_obstacle` None), as one grouped
+    `fastgrpo::nf4_lora_linear` launch: each weight's packed bytes where they lie (`group_table`), their block
+    statistics, biases and B factors concatenated once (frozen bases), the adapters' A and B factors copied in at every
+    call (`refresh`). Its `slices()` stand in for the members (joined.py's hand-over). Inputs of more than
+    FOUR_BIT_KERNEL_MAX_ROWS rows run each member alone."""
+
+    def __init__(self, members: list[FourBitLoRALinear]):
+        super().__init__()
+        self.members = members  # (a plain list: each is its layer's, not this module's)
+        quant = [m.quant for m in members]
+        rows = [q["shape"][0] for q in quant]
+        self.bounds = [0]
+        for r in rows:
+            self.bounds.append(self.bounds[-1] + r)
+        first = members[0]
+        self.in_features, self.compute_dtype = first.in_features, first.compute_dtype
+        self.packed = [m.packed.reshape(-1) for m in members]
+        self.quant = dict(shape=(self.bounds[-1], first.in_features), absmax=torch.cat([q["absmax"] for q in quant]),
+                          code=quant[0]["code"], blocksize=quant[0]["blocksize"], code_values=quant[0]["code_values"],
+                          group_table=group_table(self.packed, rows, first.in_features))
+        if "nested_absmax" in quant[0]:
+            self.quant.update(nested_absmax=torch.cat([q["nested_absmax"] for q in quant]),
+                              nested_code=quant[0]["nested_code"], nested_blocksize=quant[0]["nested_blocksize"],
+                              offset=torch.stack([q["offset"].reshape(()) for q in quant]))
+        self.bias = None if first.bias is None else torch.cat([m.bias for m in members])
+        self.lora_a = self.lora_b = None
+        self.scaling = 1.0
+        if first.lora_a is not None:
+            dtype = torch.promote_types(first.lora_a.dtype, first.lora_b.dtype)
+            self.lora_a = torch.cat([m.lora_a.to(dtype) for m in members])
+            self.lora_b = torch.cat([m.lora_b.to(dtype) for m in members])
+            scalings = {m.scaling for m in members}
+            # one scaling passed to the kernel where the members share it (their own launches' maths); else folded
+            # into each member's B
+            self.scaling = scalings.pop() if len(scalings) == 1 else None
+            self.refresh()
+        self.held_input: torch.Tensor | None = None
+        self.held_product: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The adapters' current factors into the group's copies."""
+        if self.lora_a is None:
+            return
+        r = self.lora_a.shape[0] // len(self.members)
+        for i, m in enumerate(self.members):
+            m.refresh()
+            self.lora_a[i * r:(i + 1) * r].copy_(m.lora_a)
+            b = self.lora_b[self.bounds[i]:self.bounds[i + 1]]
+            b.copy_(m.lora_b) if self.scaling is not None else b.copy_(m.lora_b * m.scaling)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
+            return None
+        out = nf4_lora_linear(x.to(self.compute_dtype or x.dtype), self.packed, **self.quant, lora_a=self.lora_a,
+                              lora_b=self.lora_b, scaling=1.0 if self.scaling is None else self.scaling,
+                              bias=self.bias)
+        return out.to(x.dtype)
+
+    def alone(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        return self.members[index](x)
+
+    def slices(self) -> list:
+        return joined_slices(self)

@@ -162,13 +162,15 @@ class EmbeddedGenerator:
     @property
     def lora_decoding(self) -> dict | None:
         """How the last engine call decoded the LoRA layers with active adapters: {"merge_lora": the mode,
-        "merged": layers from merged weights, "nf4_kernel": layers through the 4-bit kernel, "adapters_forward":
-        {reason: layers left to PEFT's own forward}} (with "none" nothing is counted: every layer runs PEFT's
-        forward); None before the engine's first call or once it fell back to model.generate."""
+        "merged": layers from merged weights, "nf4_kernel": layers through the 4-bit kernel, "nf4_groups": groups of
+        them in one launch each, "nf4_ungrouped": {reason: 4-bit sibling layers launched one by one},
+        "adapters_forward": {reason: layers left to PEFT's own forward}} (with "none" nothing is counted: every layer
+        runs PEFT's forward); None before the engine's first call or once it fell back to model.generate."""
         if self.engine is None:
             return None
         merged = self.engine._merged
         return {"merge_lora": merged.mode, "merged": merged.merged_layers, "nf4_kernel": merged.nf4_layers,
+                "nf4_groups": merged.nf4_groups, "nf4_ungrouped": dict(merged.ungrouped),
                 "adapters_forward": dict(merged.not_merged)}
 
     def _new_engine(self, compiled: bool) -> RolloutEngine:

@@ -7,10 +7,11 @@ all merge, read the same width and have a bias on each or none; it merges their 
 persistent device copy of those weights: ~176 MB on Qwen2.5-1.5B; their own base weights are not touched) and swaps
 in one `JoinedSlice` a projection for the call.
 
-Hand-over: the first slice called (q) computes the joined product and leaves (input, product) on the shared module;
-a later slice given the same input tensor returns its columns of that product (a column slice, a view), the last
-clears it. A slice called with another input, or before the first, computes its own rows of the joined weight:
-the result is right in any call order, joined only in the usual one. Inside a compiled layer Dynamo traces the
+Hand-over (`JoinedSlice`, for any group module with `bounds`, `product(x)` and `alone(x, index)`: this one, or a
+4-bit group in four_bit.py): the first slice called (q) computes the joined product and leaves (input, product) on the
+shared module; a later slice given the same input tensor returns its columns of that product (a column slice, a
+view), the last clears it. A slice called with another input, or before the first, computes its own rows alone: the
+result is right in any call order, joined only in the usual one. Inside a compiled layer Dynamo traces the
 hand-over as attribute writes read back in the same trace (the final value is None: nothing leaves the graph), and
 the joined weight is a registered buffer, so every layer runs the same compiled graph.
 """
@@ -39,40 +40,55 @@ class JoinedProjections(nn.Module):
         self.held_input: torch.Tensor | None = None
         self.held_product: torch.Tensor | None = None
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def alone(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        lo, hi = self.bounds[index], self.bounds[index + 1]
+        return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
+
+    def rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A projection's rows of the joined weight and bias, where the merge writes."""
+        lo, hi = self.bounds[index], self.bounds[index + 1]
+        return self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi]
+
     def slices(self) -> list[JoinedSlice]:
-        n = len(self.bounds) - 1
-        return [JoinedSlice(self, i, last=i == n - 1) for i in range(n)]
+        return joined_slices(self)
+
+
+def joined_slices(joined: nn.Module) -> list[JoinedSlice]:
+    n = len(joined.bounds) - 1
+    return [JoinedSlice(joined, i, last=i == n - 1) for i in range(n)]
 
 
 class JoinedSlice(nn.Module):
-    """One projection of a `JoinedProjections`: its output columns of the joined product (see the module docstring).
-    `merge_weight` / `merge_bias` are its rows of the joined weight and bias, where the merge writes."""
+    """One projection of a group module (a `JoinedProjections`, or four_bit.py's `FourBitGroup`): its output columns of
+    the group's product (see the module docstring)."""
 
-    def __init__(self, joined: JoinedProjections, index: int, last: bool):
+    def __init__(self, joined: nn.Module, index: int, last: bool):
         super().__init__()
         self.joined = joined
         self.index = index
         self.last = last
         self.lo, self.hi = joined.bounds[index], joined.bounds[index + 1]
-        self.merge_weight = joined.weight[self.lo:self.hi]
-        self.merge_bias = None if joined.bias is None else joined.bias[self.lo:self.hi]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         joined = self.joined
         if self.index == 0:
-            product = F.linear(x, joined.weight, joined.bias)
+            product = joined.product(x)
+            if product is None:  # (the group declines this input: each projection alone)
+                return joined.alone(x, self.index)
             joined.held_input, joined.held_product = x, product
         elif joined.held_input is x:
             product = joined.held_product
         else:  # not called after the first slice with the same input: this projection alone
-            bias = None if joined.bias is None else joined.bias[self.lo:self.hi]
-            return F.linear(x, joined.weight[self.lo:self.hi], bias)
+            return joined.alone(x, self.index)
         if self.last:
             joined.held_input = joined.held_product = None
         return product[..., self.lo:self.hi]
 
     def extra_repr(self) -> str:
-        return f"rows {self.lo}:{self.hi} of {self.joined.weight.shape[0]}"
+        return f"rows {self.lo}:{self.hi} of {self.joined.bounds[-1]}"
 
 
 def joinable_groups(targets: list[tuple[nn.Module, str, nn.Module]], dtype_of) -> list[list[tuple]]:
