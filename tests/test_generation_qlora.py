@@ -214,13 +214,15 @@ def test_qlora_kernel_modules_are_put_back_after_an_exception():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype):
-    """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps. fp32: the greedy tokens
-    of PEFT's forward; bf16: within the engine's own check against PEFT's forward (no fallback warning). Calls that
-    replay every step give the same bits (the kernel's split-K sum has a fixed order)."""
+def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, grouped):
+    """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps, one launch a layer or
+    (grouped: single quantization, two kv heads) one a sibling group. fp32: the greedy tokens of PEFT's forward; bf16:
+    within the engine's own check against PEFT's forward (no fallback warning). Calls that replay every step give the
+    same bits (the kernel's split-K sum has a fixed order)."""
     torch._dynamo.reset()
-    model = qlora_lm(dtype=dtype, device="cuda")
+    model = qlora_lm(dtype=dtype, device="cuda", nested=not grouped, num_key_value_heads=2 if grouped else 1)
     batch = [p for p in prompts() for _ in range(4)]
     expected = hf_greedy(model, batch, 24, eos=VOCAB + 1)
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=24)
@@ -228,6 +230,7 @@ def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype):
     try:
         first = generator.generate(batch, temperature=0, return_logprobs=True)  # eager steps, then captured
         assert generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
+        assert generator.lora_decoding["nf4_groups"] == (4 if grouped else 0)
         if dtype == torch.float32:
             assert first[0] == expected
         replayed = generator.generate(batch, temperature=0, return_logprobs=True)
