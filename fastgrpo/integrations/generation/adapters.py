@@ -24,7 +24,7 @@ from torch import nn
 from fastgrpo.integrations.generation.experts import expert_lora_chain, expert_lora_obstacle, is_expert_lora
 from fastgrpo.integrations.generation.four_bit import GROUP_NAMES, FourBitGroup, FourBitLoRALinear, \
     active_adapters, adapter_obstacle, four_bit_key, four_bit_obstacle, group_obstacle, lora_factors
-from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups
+from fastgrpo.integrations.generation.joined import JoinedProjections, JoinedSlice, joinable_groups, sibling_groups
 from fastgrpo.kernels.lora_merge import STATS, lora_merge_, lora_merge_factors, lora_merge_into, lora_merge_plan, \
     lora_merge_restored, lora_unmerge_
 
@@ -165,16 +165,6 @@ class MergeNotUndone(RuntimeError):
 
 def _in_four_bit_group(linear: nn.Module) -> bool:
     return isinstance(linear, JoinedSlice) and isinstance(linear.joined, FourBitGroup)
-
-
-def sibling_groups(targets: list[tuple[nn.Module, str, nn.Module]], names: tuple[tuple[str, ...], ...]) -> list:
-    """Groups of (parent, name, layer) among `targets`: under one parent, every name of one of `names`' tuples, in
-    its order."""
-    by_parent: dict[int, dict[str, tuple]] = {}
-    for target in targets:
-        by_parent.setdefault(id(target[0]), {})[target[1]] = target
-    return [[members[n] for n in group] for members in by_parent.values() for group in names
-            if all(n in members for n in group)]
 
 
 @dataclass

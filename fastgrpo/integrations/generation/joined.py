@@ -91,19 +91,22 @@ class JoinedSlice(nn.Module):
         return f"rows {self.lo}:{self.hi} of {self.joined.bounds[-1]}"
 
 
+def sibling_groups(targets: list[tuple[nn.Module, str, nn.Module]], names: tuple[tuple[str, ...], ...]) -> list:
+    """Groups of (parent, name, layer) among `targets`: under one parent, every name of one of `names`' tuples, in
+    its order."""
+    by_parent: dict[int, dict[str, tuple]] = {}
+    for target in targets:
+        by_parent.setdefault(id(target[0]), {})[target[1]] = target
+    return [[members[n] for n in group] for members in by_parent.values() for group in names
+            if all(n in members for n in group)]
+
+
 def joinable_groups(targets: list[tuple[nn.Module, str, nn.Module]], dtype_of) -> list[list[tuple]]:
     """Groups of (parent, name, LoRA layer) among `targets` (layers that merge) to join: under one parent, every name
     of `JOINED_NAMES`, with equal in_features, one merged dtype (`dtype_of(layer)`), one device, and a bias on all
     or none of their bases."""
-    by_parent: dict[int, dict[str, tuple]] = {}
-    for parent, name, layer in targets:
-        if name in JOINED_NAMES:
-            by_parent.setdefault(id(parent), {})[name] = (parent, name, layer)
     groups = []
-    for members in by_parent.values():
-        if len(members) != len(JOINED_NAMES):
-            continue
-        group = [members[name] for name in JOINED_NAMES]
+    for group in sibling_groups(targets, (JOINED_NAMES,)):
         layers = [layer for _, _, layer in group]
         bases = [layer.base_layer for layer in layers]
         if len({layer.in_features for layer in layers}) != 1:
