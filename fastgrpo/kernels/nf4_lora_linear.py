@@ -42,6 +42,10 @@ program stores its fp32 partial and counts itself in a per-tile counter; the las
 partials (its own read back) in split order, adds the bias, writes the output and resets the counter (the counters need
 no clearing between calls, and a captured call replays as is). The sum's order does not depend on which program arrives
 last: a call's result is deterministic, eager or captured.
+Grouped: weights that read one x (an attention's q, k and v; an MLP's gate and up) in one launch, stacked along N as
+one [N, K] weight whose column tiles each lie in one of them (`group_table`): a tile finds its weight's bytes where
+they lie (no copy), its rows of the concatenated statistics, its nested offset and its adapter's rows of the stacked
+A; each tile computes what the weight's own launch computes, the same bits at the same tiles and splits.
 Out of the kernel's domain (K not a multiple of blocksize, r > MAX_RANK, a CPU tensor outside the interpreter) the
 op runs the reference: `reference_dequantize_nf4` + F.linear + the LoRA term in fp32, the same maths.
 """
@@ -137,7 +141,7 @@ def _nf4_lora_linear_kernel(
     # NATIVE: the dots take half-precision inputs (the weight rounded to x's dtype, A and B cast to it; CUDA); else
     # every value is fp32 and the dots run in full fp32 (PRECISION "ieee": fp32 x, and the interpreter, whose half
     # arithmetic is wrong).
-    # GROUPED: GROUPS weights stacked along N, each tile in one (`_group_table`: table[g] is where group g's bytes
+    # GROUPED: GROUPS weights stacked along N, each tile in one (`group_table`: table[g] is where group g's bytes
     # lie, as an offset from w_ptr less its first row times K/2; table[GROUPS + n] is row n's group); group g's
     # adapter is A's rows g*RANK... and its nested offset offset[g]. Ungrouped: group 0, the bytes at w_ptr.
     pid_n = tl.program_id(0)
@@ -405,7 +409,7 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     native = cuda and x2.dtype != torch.float32
     nested = nested_absmax is not None
     lora = lora_a is not None
-    rank = (lora_b.shape[1] if grouped else lora_a.shape[0]) if lora else 0  # (a group's rank when grouped)
+    rank = lora_b.shape[1] if lora else 0  # (a group's, when grouped)
     use_lut = config["LUT"] and (not native or code_values is not None)
     lut_high, lut_low = lut_asm(tuple(code_values), x2.dtype) if use_lut and native else ("", "")
     _nf4_lora_linear_kernel[grid](
