@@ -273,6 +273,17 @@ def _run_every_op():
             with mock.patch.object(nf4_module, "_FEW_ROWS_LUT", lut), mock.patch.object(nf4_module, "_LUT", lut):
                 nf4_lora_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n * k // 2, 1, dtype=torch.uint8),
                                 **quant, **lora, bias=torch.zeros(n, dtype=dtype) if bias else None)
+    # Grouped: q/k/v at 8 rows (register table, split K), gate/up at 64 (joined), double-quantized, rank 16.
+    for m, rows, lut in ((8, (1536, 256, 256), True), (64, (8960, 8960), False)):
+        n, k = sum(rows), 1536
+        packed = [torch.zeros(r * k // 2, dtype=torch.uint8) for r in rows]
+        with mock.patch.object(nf4_module, "_FEW_ROWS_LUT", lut), mock.patch.object(nf4_module, "_LUT", lut):
+            nf4_lora_linear(torch.zeros(m, k, dtype=torch.bfloat16), packed,
+                            absmax=torch.zeros(n * k // 64, dtype=torch.uint8), code=torch.zeros(16),
+                            code_values=tuple(range(16)), shape=(n, k), nested_absmax=torch.zeros(n * k // 64 // 256),
+                            nested_code=torch.zeros(256), offset=torch.zeros(len(rows)),
+                            lora_a=torch.zeros(16 * len(rows), k), lora_b=torch.zeros(n, 16), scaling=2.0,
+                            group_table=nf4_module.group_table(packed, list(rows), k))
 
     # The rollout engine's LoRA merge, each of its four passes (plan, in-place merge, copy, undo), in each weight
     # dtype (the kernel's bit-compare integer type follows it), rank 16.
