@@ -78,10 +78,13 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
 
 
-def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer():
-    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer."""
+def test_qlora_kernel_layers_trace_into_the_compiled_decode_layer(monkeypatch):
+    """The swapped modules trace with fullgraph=True into one graph shared by every decoder layer; with grouping on,
+    sibling layers that cannot group are launched alone, the reasons counted."""
+    from fastgrpo.integrations.generation import adapters
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
+    monkeypatch.setattr(adapters, "GROUP_FOUR_BIT", True)
     torch._dynamo.reset()
     model = qlora_lm()
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=5, compile=True, compile_backend="eager")
@@ -103,6 +106,7 @@ def test_qlora_sibling_layers_decode_as_one_grouped_launch(monkeypatch):
     from fastgrpo.integrations.generation import adapters
     from fastgrpo.kernels._dispatch import triton_on_cpu
 
+    monkeypatch.setattr(adapters, "GROUP_FOUR_BIT", True)
     torch._dynamo.reset()
     model = qlora_lm(nested=False, num_key_value_heads=2)
     generator = EmbeddedGenerator(model, PAD, [VOCAB + 1], max_new_tokens=4, compile=True, compile_backend="eager")
@@ -216,11 +220,14 @@ def test_qlora_kernel_modules_are_put_back_after_an_exception():
 @pytest.mark.gpu
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, grouped):
+def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, grouped, monkeypatch):
     """On CUDA: the 4-bit kernel inside inductor-compiled layers and captured decode steps, one launch a layer or
     (grouped: single quantization, two kv heads) one a sibling group. fp32: the greedy tokens of PEFT's forward; bf16:
     within the engine's own check against PEFT's forward (no fallback warning). Calls that replay every step give the
     same bits (the kernel's split-K sum has a fixed order)."""
+    from fastgrpo.integrations.generation import adapters
+
+    monkeypatch.setattr(adapters, "GROUP_FOUR_BIT", grouped)
     torch._dynamo.reset()
     model = qlora_lm(dtype=dtype, device="cuda", nested=not grouped, num_key_value_heads=2 if grouped else 1)
     batch = [p for p in prompts() for _ in range(4)]
