@@ -245,3 +245,27 @@ def test_cuda_graph_qlora_decode_through_the_4bit_kernel(dtype, grouped, monkeyp
         assert generator.generate(batch, temperature=0, return_logprobs=True) == replayed
     finally:
         context.__exit__(None, None, None)
+
+
+def test_four_bit_group_folds_differing_scalings_into_b():
+    """A group whose members' LoRA scalings differ passes scaling 1 with each B scaled (refreshed per call); its
+    product is each member's own, column by column."""
+    from fastgrpo.integrations.generation.four_bit import FourBitGroup, FourBitLoRALinear, group_obstacle
+    from fastgrpo.kernels._dispatch import triton_on_cpu
+
+    model = qlora_lm(nested=False, num_key_value_heads=2)
+    mlp = model.base_model.model.model.layers[0].mlp
+    mlp.up_proj.scaling["default"] = 0.5
+    members = [FourBitLoRALinear(mlp.gate_proj), FourBitLoRALinear(mlp.up_proj)]
+    assert group_obstacle(members) is None
+    group = FourBitGroup(members)
+    assert group.scaling is None
+    x = torch.randn(3, 64)
+    with torch.no_grad(), triton_on_cpu():
+        out = group.product(x)
+        want = torch.cat([m(x) for m in members], dim=1)
+        torch.testing.assert_close(out, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+        mlp.up_proj.lora_B["default"].weight.mul_(2.0)
+        group.refresh()
+        torch.testing.assert_close(group.product(x)[:, 128:], members[1](x), atol=1e-4 * want.abs().max().item(),
+                                   rtol=0)

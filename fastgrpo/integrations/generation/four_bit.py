@@ -4,8 +4,8 @@ on the live packed weight and the live adapters, no dequantized copy.
 `FourBitLoRALinear` stands in for one PEFT LoRA linear (`MergedAdapters` swaps it in for the call), a
 `FourBitGroup` for sibling ones reading one input (an attention's q, k and v; an MLP's gate and up: one launch a group,
 `group_obstacle` says why not); `four_bit_obstacle` says why a layer cannot (left to PEFT's forward, with the reason),
-`adapter_obstacle` why a layer's adapters are not plain LoRA. `lora_factors` reads a PEFT layer's active adapters as one (A, B, scaling);
-`nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
+`adapter_obstacle` why a layer's adapters are not plain LoRA. `lora_factors` reads a PEFT layer's active adapters as
+one (A, B, scaling); `nf4_lora_linear_from_module` runs a PEFT LoRA layer over a `Linear4bit` through the kernel.
 """
 from __future__ import annotations
 
@@ -176,9 +176,9 @@ def group_obstacle(members: list[FourBitLoRALinear]) -> str | None:
 class FourBitGroup(nn.Module):
     """Sibling `FourBitLoRALinear`s that read one input (`group_obstacle` None), as one grouped
     `fastgrpo::nf4_lora_linear` launch: each weight's packed bytes where they lie (`group_table`), their block
-    statistics, biases and B factors concatenated once (frozen bases), the adapters' A and B factors copied in at every
-    call (`refresh`). Its `slices()` stand in for the members (joined.py's hand-over). Inputs of more than
-    FOUR_BIT_KERNEL_MAX_ROWS rows run each member alone."""
+    statistics and biases concatenated once (frozen bases), the adapters' A and B factors copied in at every call
+    (`refresh`; B scaled by its adapter's scaling where the members' scalings differ). Its `slices()` stand in for
+    the members (joined.py's hand-over). Inputs of more than FOUR_BIT_KERNEL_MAX_ROWS rows run each member alone."""
 
     def __init__(self, members: list[FourBitLoRALinear]):
         super().__init__()
@@ -222,8 +222,8 @@ class FourBitGroup(nn.Module):
         for i, m in enumerate(self.members):
             m.refresh()
             self.lora_a[i * r:(i + 1) * r].copy_(m.lora_a)
-            b = self.lora_b[self.bounds[i]:self.bounds[i + 1]]
-            b.copy_(m.lora_b) if self.scaling is not None else b.copy_(m.lora_b * m.scaling)
+            b = m.lora_b if self.scaling is not None else m.lora_b * m.scaling
+            self.lora_b[self.bounds[i]:self.bounds[i + 1]].copy_(b)
 
     def product(self, x: torch.Tensor) -> torch.Tensor | None:
         if x.numel() > FOUR_BIT_KERNEL_MAX_ROWS * self.in_features:
