@@ -37,6 +37,14 @@ def qlora_lm(arch="qwen2", dtype=torch.float32, device="cpu", lora=True, nested=
     return with_lora(model) if lora else model
 
 
+@torch.no_grad()
+def scale_lora_b(model, factor, match="lora_B"):
+    """Every LoRA B factor whose parameter name contains `match` multiplied in place (an optimizer-style update)."""
+    for name, p in model.named_parameters():
+        if match in name:
+            p.mul_(factor)
+
+
 def _kernel_modules(model):
     from fastgrpo.integrations.generation.four_bit import FourBitLoRALinear
 
@@ -67,10 +75,7 @@ def test_qlora_layers_decode_through_the_4bit_kernel_from_the_live_weights():
                                            "nf4_ungrouped": {}, "adapters_forward": {}}
         merged = generator.engine._merged
         assert merged.copies == [] and generator.engine._adapters._entries == []
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(-3.0)
+        scale_lora_b(model, -3.0)
         second = generator.generate(prompts(), temperature=0)
     assert second != first and second == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
     assert {name: m for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)} == layers
@@ -116,10 +121,7 @@ def test_qlora_sibling_layers_decode_as_one_grouped_launch(monkeypatch):
         assert grouped == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
         assert generator.lora_decoding["nf4_groups"] == 4 and generator.lora_decoding["nf4_kernel"] == QLORA_LAYERS
         assert generator.engine.backend.compiles == 1
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(-3.0)
+        scale_lora_b(model, -3.0)
         updated = generator.generate(prompts(), temperature=0)
         assert updated != grouped and updated == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
         monkeypatch.setattr(adapters, "GROUP_FOUR_BIT", False)
@@ -144,10 +146,7 @@ def test_qlora_several_active_adapters_and_disabled_adapters():
         assert generator.generate(prompts(), temperature=0) == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
         assert sum(e.linear.joined for e in generator.engine._merged._entries) == 2  # q_proj
         assert generator.lora_decoding["nf4_kernel"] == 6
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B.other" in name:
-                    p.mul_(-20.0)
+        scale_lora_b(model, -20.0, "lora_B.other")
         changed = generator.generate(prompts(), temperature=0)
         assert changed == hf_greedy(model, prompts(), 4, eos=VOCAB + 1)
         with model.disable_adapter():

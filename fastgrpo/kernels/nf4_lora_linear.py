@@ -394,9 +394,10 @@ def _triton_nf4_lora_linear(x2, packed, absmax, code, nested_absmax, nested_code
     else the joined one. `packed`: the weight's flat bytes, or a list of each group's with their `group_table` (see
     `nf4_lora_linear`)."""
     m, k = x2.shape
-    groups = len(packed) if isinstance(packed, (list, tuple)) else 1
+    packed = list(packed) if isinstance(packed, (list, tuple)) else [packed]
+    groups = len(packed)
     grouped = groups > 1
-    packed = packed[0] if isinstance(packed, (list, tuple)) else packed
+    packed = packed[0]
     config = config or launch_config(m, n, k, blocksize, x2.device)
     splits = config["splits"]
     out = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
@@ -605,10 +606,7 @@ def _checked_quantization(packed, absmax, code, n, k, blocksize, nested_absmax, 
     if any(t is not None for t in nested):
         if any(t is None for t in nested) or absmax.dtype != torch.uint8:
             raise ValueError("double quantization needs uint8 absmax codes, nested_absmax, nested_code and offset")
-        if groups > 1:  # each group's nested blocks from the start of its own
-            want = sum(cdiv(2 * f.numel() // blocksize, nested_blocksize) for f in flats)
-        else:
-            want = cdiv(absmax.numel(), nested_blocksize)
+        want = cdiv(absmax.numel(), nested_blocksize)  # (grouped: each weight but the last whole nested blocks)
         if nested_absmax.numel() != want or nested_code.numel() != 256:
             raise ValueError(f"nested_absmax of {nested_absmax.numel()} blocks and nested_code of "
                              f"{nested_code.numel()} levels: expected {want}, 256")

@@ -420,7 +420,7 @@ class MergedAdapters:
                 counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
             shared = {ptr for ptr, n in counts.items() if n > 1}
             self._entries = []  # the old copies go before the new are allocated
-            joined = {}
+            built = {}  # id(layer) -> its entry, where a group built it (else _entries_of builds it)
             merged = [(parent, name, layer) for parent, name, layer, four_bit in targets
                       if not four_bit and not is_expert_lora(layer)]
             for group in joinable_groups(merged, self._copy_dtype) if JOIN_QKV else []:
@@ -429,20 +429,22 @@ class MergedAdapters:
                                                 self._copy_dtype(layers[0]), _adapter_device(layers[0]),
                                                 bias=layers[0].base_layer.bias is not None)
                 for (parent, name, layer), piece in zip(group, projections.slices()):
-                    joined[id(layer)] = _Merge(parent, name, layer, piece)
+                    built[id(layer)] = _Merge(parent, name, layer, piece)
             self.nf4_groups, self.ungrouped = 0, {}
             four_bit = [(parent, name, layer) for parent, name, layer, four_bit in targets if four_bit]
             for group in sibling_groups(four_bit, GROUP_NAMES) if GROUP_FOUR_BIT else []:
                 members = [FourBitLoRALinear(layer) for _, _, layer in group]
                 why = group_obstacle(members)
-                if why is not None:
+                if why is not None:  # each member launched alone (built once: not again by _entries_of)
                     self.ungrouped[why] = self.ungrouped.get(why, 0) + len(members)
-                    continue
-                self.nf4_groups += 1
-                for (parent, name, layer), piece in zip(group, FourBitGroup(members).slices()):
-                    joined[id(layer)] = _Merge(parent, name, layer, piece)
+                    pieces = members
+                else:
+                    self.nf4_groups += 1
+                    pieces = FourBitGroup(members).slices()
+                for (parent, name, layer), piece in zip(group, pieces):
+                    built[id(layer)] = _Merge(parent, name, layer, piece)
             self._entries = [e for target in targets
-                             for e in ([joined[id(target[2])]] if id(target[2]) in joined
+                             for e in ([built[id(target[2])]] if id(target[2]) in built
                                        else self._entries_of(*target, shared))]
             self._key = key
             self.version += 1
